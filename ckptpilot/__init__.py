@@ -1,0 +1,35 @@
+"""ckptpilot: adaptive, tiered, validated checkpointing for long PyTorch training runs.
+
+Public names only; everything else is reachable through its subpackage.
+"""
+
+from ckptpilot.errors import (
+    CheckpointFormatError,
+    CheckpointWriteError,
+    CkptPilotError,
+    IntegrityError,
+    NoCheckpointError,
+    PolicyError,
+    StateError,
+)
+from ckptpilot.pilot import CheckpointPilot, RecoveryReport, RecoverySource, SaveRecord
+from ckptpilot.policy import Policy, load_policy
+from ckptpilot.sampler import ResumableSampler
+
+__all__ = [
+    "CheckpointFormatError",
+    "CheckpointPilot",
+    "CheckpointWriteError",
+    "CkptPilotError",
+    "IntegrityError",
+    "NoCheckpointError",
+    "Policy",
+    "PolicyError",
+    "RecoveryReport",
+    "RecoverySource",
+    "ResumableSampler",
+    "SaveRecord",
+    "StateError",
+    "load_policy",
+]
+__version__ = "0.1.0"

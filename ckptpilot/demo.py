@@ -1,0 +1,276 @@
+"""``ckptpilot demo``: the main job. Trains, gets killed for real, recovers, reports.
+
+The parent process (``run_demo``) never trains: it starts a training child, watches its
+progress on a pipe, SIGKILLs it mid-run, starts a second child that restores from the
+checkpoints and finishes, then prints a summary. The child (``python -m ckptpilot.demo``)
+trains a small character-level transformer on the source text of the Python standard library
+(no downloads) with a ``CheckpointPilot`` and reports JSON lines on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+DEMO_MARKER = ".ckptpilot-demo"
+DEMO_POLICY = """\
+# Written by `ckptpilot demo` (no --config given): the reference policy with a short
+# interval so that a demo-sized run saves several times.
+scheduler: {base_interval: 40, min_interval: 10, max_interval: 500}
+"""
+CONTEXT = 64
+BATCH = 32
+
+
+# -- the training child --------------------------------------------------------------------
+
+def stdlib_text(max_bytes: int = 2_000_000) -> torch.Tensor:
+    """Bytes of the standard library's own source, in a fixed order, as a uint8 tensor."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total < CONTEXT * 4:
+        raise RuntimeError(f"found only {total} bytes of Python source under {root}")
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+
+
+class CharTransformer(nn.Module):
+    """A small byte-level causal transformer: enough to show a real loss curve in seconds."""
+
+    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, heads: int = 4,
+                 context: int = CONTEXT, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(context, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.tok(idx) + self.pos[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def _emit(out: TextIO, event: str, **fields: Any) -> None:
+    out.write(json.dumps({"event": event, **fields}) + "\n")
+    out.flush()
+
+
+def train_child(run_dir: Path, config: Path, steps: int) -> None:
+    """Train with a pilot until ``steps``; restores first, so a second start resumes."""
+    from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.manual_seed(0)
+    text = stdlib_text()
+    sampler = ResumableSampler(len(text) - CONTEXT - 1, seed=0)
+    model = CharTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps,
+                                                pct_start=0.1)
+    offsets = torch.arange(CONTEXT + 1)
+    out = sys.stdout
+    pilot = CheckpointPilot(load_policy(config, run_dir=run_dir), model=model, optimizer=opt,
+                            lr_scheduler=sched, data_state=sampler)
+    start = pilot.restore()
+    rec = pilot.last_recovery
+    assert rec is not None
+    _emit(out, "restored", step=start, source=rec.source.value, seconds=rec.seconds,
+          location=rec.location, skipped=[s.reason for s in rec.skipped])
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = SummaryWriter(log_dir=str(pilot.run_dir / "tensorboard"))
+    reported = 0
+    for step in range(start, steps):
+        windows = text[sampler.take(BATCH)[:, None] + offsets].long()
+        logits = model(windows[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), windows[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        pilot.observe(loss)
+        value = loss.item()
+        tb.add_scalar("train/loss", value, step + 1)
+        _emit(out, "step", step=step + 1, loss=value)
+        for record in pilot.saves[reported:]:
+            _emit(out, "save", step=record.step, bytes=record.bytes,
+                  stall=record.stall_seconds, persist=record.persist_seconds)
+        reported = len(pilot.saves)
+    pilot.close()
+    tb.close()
+    for record in pilot.saves[reported:]:
+        _emit(out, "save", step=record.step, bytes=record.bytes, stall=record.stall_seconds,
+              persist=record.persist_seconds)
+    _emit(out, "done", step=steps)
+
+
+# -- the parent ----------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    restored: dict[str, Any] = field(default_factory=dict)
+    last_step: int = 0
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    done: bool = False
+    returncode: int | None = None
+
+
+def _events(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        line = raw.strip()
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _Run,
+           label: str, total: int) -> None:
+    cmd = [sys.executable, "-m", "ckptpilot.demo", "--child", "--run-dir", str(run_dir),
+           "--config", str(config), "--steps", str(steps)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    t0 = time.monotonic()
+    try:
+        for ev in _events(proc):
+            kind = ev["event"]
+            if kind == "restored":
+                run.restored = ev
+                src = ev["source"]
+                print(f"[{label}] started; restored step {ev['step']} from {src}"
+                      + (f" in {ev['seconds']:.3f} s" if src != "none" else " (fresh run)"))
+            elif kind == "step":
+                run.last_step = ev["step"]
+                run.losses.append(ev["loss"])
+                if ev["step"] % 20 == 0 or ev["step"] == steps:
+                    rate = (ev["step"] - run.restored.get("step", 0)) / (time.monotonic() - t0)
+                    print(f"[{label}] step {ev['step']:>5}/{total}  loss {ev['loss']:.3f}  "
+                          f"{rate:5.1f} steps/s  saves {len(run.saves)}")
+                if kill_at is not None and ev["step"] >= kill_at:
+                    proc.send_signal(signal.SIGKILL)
+                    print(f"[{label}] SIGKILL sent at step {ev['step']}")
+                    break
+            elif kind == "save":
+                run.saves.append(ev)
+                print(f"[{label}] checkpoint step {ev['step']}: {ev['bytes'] / 1e6:.1f} MB, "
+                      f"training stalled {ev['stall'] * 1e3:.1f} ms")
+            elif kind == "done":
+                run.done = True
+    finally:
+        run.returncode = proc.wait()
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / DEMO_MARKER).exists():
+            raise DemoError(f"--run-dir {run_dir} is not empty and was not made by the demo; "
+                            "choose another directory")
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / DEMO_MARKER).write_text("made by `ckptpilot demo`; removed by its next run\n")
+
+
+class DemoError(Exception):
+    """Bad demo options or a failed demo child; the CLI prints it on one line."""
+
+
+def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
+    from ckptpilot.policy import load_policy
+
+    if steps < 20:
+        raise DemoError(f"--steps must be at least 20 (got {steps})")
+    if config is not None:
+        load_policy(config, run_dir=run_dir)
+    _prepare_run_dir(run_dir)
+    if config is None:
+        config = run_dir / "demo-policy.yaml"
+        config.write_text(DEMO_POLICY)
+    policy = load_policy(config, run_dir=run_dir)
+    interval = policy.scheduler.base_interval
+    kill_at = max(1, int(steps * 0.6))
+    if kill_at % interval == 0:
+        kill_at += interval // 2
+    kill_at = min(kill_at, steps - 1)
+    print(f"ckptpilot demo: {steps} steps of a char-level transformer on stdlib text, "
+          f"checkpoint every {interval} steps, SIGKILL near step {kill_at}")
+    print(f"run dir: {run_dir}")
+    t0 = time.monotonic()
+    first, second = _Run(), _Run()
+    _child(run_dir, config, steps, kill_at, first, "run 1", steps)
+    if first.returncode != -signal.SIGKILL:
+        raise DemoError(f"the first training child exited with {first.returncode} "
+                        "instead of being killed")
+    _child(run_dir, config, steps, None, second, "run 2", steps)
+    if second.returncode != 0 or not second.done:
+        raise DemoError(f"the resumed training child failed (exit code {second.returncode})")
+    wall = time.monotonic() - t0
+    restored = second.restored
+    saves = first.saves + second.saves
+    stalls = [s["stall"] for s in saves]
+    rows = [
+        ("steps trained", f"{steps} (+{first.last_step - restored['step']} re-run after "
+                          "the crash)"),
+        ("final loss", f"{second.losses[-1]:.3f} (first step {first.losses[0]:.3f})"),
+        ("checkpoints saved", f"{len(saves)} (run 1: {len(first.saves)}, "
+                              f"run 2: {len(second.saves)})"),
+        ("bytes written", f"{sum(s['bytes'] for s in saves) / 1e6:.1f} MB"),
+        ("median stall per save", f"{statistics.median(stalls) * 1e3:.1f} ms"
+         if stalls else "n/a"),
+        ("crash", f"SIGKILL of the training process at step {first.last_step}"),
+        ("recovery source", f"{restored['source']} ({restored['location']})"),
+        ("recovered step", str(restored["step"])),
+        ("recovery seconds", f"{restored['seconds']:.3f}"),
+        ("steps lost", str(first.last_step - restored["step"])),
+        ("wall time", f"{wall:.1f} s"),
+        ("tensorboard", f"tensorboard --logdir {run_dir / 'tensorboard'}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\nsummary")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    if not math.isfinite(second.losses[-1]):
+        raise DemoError("training diverged (non-finite loss)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ckptpilot.demo")
+    p.add_argument("--child", action="store_true", required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--config", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    a = p.parse_args(argv)
+    train_child(a.run_dir, a.config, a.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The error hierarchy of ckptpilot.
+
+Every error names what is at fault (a policy key path, a file, a tensor, a step) and, where
+there is one, suggests the fix. They derive from built-in bases so callers that already catch
+``ValueError`` / ``RuntimeError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class CkptPilotError(Exception):
+    """Base of every error raised on purpose by ckptpilot."""
+
+
+class PolicyError(CkptPilotError, ValueError):
+    """The policy (YAML or model) is invalid; ``key`` is the dotted path at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class StateError(CkptPilotError, ValueError):
+    """The training state cannot be captured or restored (unsupported value, layout mismatch)."""
+
+
+class CheckpointFormatError(CkptPilotError, ValueError):
+    """A checkpoint on storage is malformed, truncated or of an unknown format version."""
+
+
+class IntegrityError(CheckpointFormatError):
+    """Bytes read back do not match the digest recorded when they were written."""
+
+    def __init__(self, key: str, expected: str, actual: str) -> None:
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"{key}: SHA256 mismatch (expected {expected}, got {actual})")
+
+
+class CheckpointWriteError(CkptPilotError, RuntimeError):
+    """A background save failed; raised on the training thread at the next observe/close."""
+
+
+class NoCheckpointError(CkptPilotError, LookupError):
+    """A specific checkpoint was asked for and no valid one exists."""

@@ -1,0 +1,233 @@
+"""The organ archive: a self-contained, pickle-free checkpoint directory on the remote tier.
+
+Layout of ``step_{step:08d}_rank_{rank:05d}/``:
+
+- ``tensors.safetensors`` — every tensor of the snapshot, in the safetensors format (written
+  here by a streaming writer so that no second copy of the state is built in memory; read back
+  with the ``safetensors`` library, which cannot execute code);
+- ``state.json`` — everything else (optimizer structure, schedulers, RNG, data cursor, extras);
+- ``manifest.json`` — format name and version, step/rank/level, per-file size and SHA256, and
+  a digest of the manifest itself. Written last: a directory without a valid manifest is an
+  incomplete checkpoint and is never loaded.
+
+This module owns the layout and its verification; durability and atomic publication belong to
+the tier, the choice of which checkpoint to load to the pilot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from ckptpilot.errors import CheckpointFormatError, IntegrityError
+from ckptpilot.state import Snapshot
+from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
+
+FORMAT = "ckptpilot-organ"
+FORMAT_VERSION = 1
+TENSORS_FILE = "tensors.safetensors"
+STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
+_CHUNK_BYTES = 64 << 20
+_NAME_RE = re.compile(r"^step_(\d{8,})_rank_(\d{5,})$")
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def checkpoint_name(step: int, rank: int) -> str:
+    """Names use the global step and rank, never wall-clock time (SPEC §4)."""
+    return f"step_{step:08d}_rank_{rank:05d}"
+
+
+def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
+    m = _NAME_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class WrittenArchive:
+    name: str
+    location: str
+    bytes: int
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoadedArchive:
+    name: str
+    location: str
+    manifest: dict[str, Any]
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise CheckpointFormatError(
+                f"{self.location}: state refers to tensor {key!r}, absent from "
+                f"{TENSORS_FILE}") from None
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryview | bytes]:
+    """Yield a safetensors file piece by piece, straight from the tensors' own memory."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    offset = 0
+    for name, t in tensors.items():
+        dtype = _SAFETENSORS_DTYPES.get(t.dtype)
+        if dtype is None:
+            raise CheckpointFormatError(f"{name}: dtype {t.dtype} cannot be stored")
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise CheckpointFormatError(f"{name}: snapshot tensors must be contiguous CPU")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    yield struct.pack("<Q", len(raw)) + raw
+    for t in tensors.values():
+        view = _byte_view(t)
+        for start in range(0, len(view), _CHUNK_BYTES):
+            yield view[start:start + _CHUNK_BYTES]
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
+                reason: str = "") -> WrittenArchive:
+    """Write ``snapshot`` as a complete archive and publish it atomically."""
+    meta = snapshot.meta
+    name = checkpoint_name(snapshot.step, meta["rank"])
+    staging = tier.new_staging(name)
+    files: dict[str, dict[str, Any]] = {}
+    size, sha = tier.write_file(f"{staging}/{TENSORS_FILE}", _safetensors_chunks(snapshot.tensors))
+    files[TENSORS_FILE] = {"bytes": size, "sha256": sha}
+    state_raw = json.dumps(meta, separators=(",", ":")).encode()
+    size, sha = tier.write_file(f"{staging}/{STATE_FILE}", [state_raw])
+    files[STATE_FILE] = {"bytes": size, "sha256": sha}
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "step": snapshot.step,
+        "rank": meta["rank"],
+        "world_size": meta["world_size"],
+        "epoch": meta.get("epoch"),
+        "level": level,
+        "reason": reason,
+        "created_unix": time.time(),
+        "state_bytes": snapshot.nbytes,
+        "files": files,
+    }
+    manifest["self_sha256"] = _manifest_digest(manifest)
+    tier.write_file(f"{staging}/{MANIFEST_FILE}", [json.dumps(manifest, indent=1).encode()])
+    tier.publish(staging, name)
+    total = sum(f["bytes"] for f in files.values())
+    return WrittenArchive(name=name, location=tier.path(name), bytes=total, manifest=manifest)
+
+
+def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
+    """The archive's manifest, checked for format, version and its own digest."""
+    where = tier.path(name, MANIFEST_FILE)
+    if not tier.exists(f"{name}/{MANIFEST_FILE}"):
+        raise CheckpointFormatError(f"{where}: missing (the writer did not finish)")
+    try:
+        manifest = json.loads(tier.read_bytes(f"{name}/{MANIFEST_FILE}"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointFormatError(f"{where}: not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"{where}: format version {manifest.get('format_version')!r} is not supported "
+            f"(this ckptpilot reads version {FORMAT_VERSION})")
+    actual = _manifest_digest(manifest)
+    if manifest.get("self_sha256") != actual:
+        raise IntegrityError(where, str(manifest.get("self_sha256")), actual)
+    return manifest
+
+
+def verify_organ(tier: RemoteTier, name: str) -> dict[str, Any]:
+    """Re-hash every file of the archive against its manifest; returns the manifest."""
+    manifest = read_manifest(tier, name)
+    for fname, rec in manifest["files"].items():
+        rel = f"{name}/{fname}"
+        if not tier.exists(rel):
+            raise CheckpointFormatError(f"{tier.path(rel)}: missing")
+        size, sha = tier.digest(rel)
+        if size != rec["bytes"]:
+            raise CheckpointFormatError(
+                f"{tier.path(rel)}: {size} bytes, manifest says {rec['bytes']} (truncated?)")
+        if sha != rec["sha256"]:
+            raise IntegrityError(tier.path(rel), rec["sha256"], sha)
+    return manifest
+
+
+def read_organ(tier: RemoteTier, name: str) -> LoadedArchive:
+    """Verify and load an archive; raises ``CheckpointFormatError`` instead of half-loading."""
+    manifest = verify_organ(tier, name)
+    location = tier.path(name)
+    rel = f"{name}/{TENSORS_FILE}"
+    try:
+        local = tier.local_path(rel)
+        if local is not None:
+            tensors = safetensors.torch.load_file(local)
+        else:
+            tensors = safetensors.torch.load(tier.read_bytes(rel))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointFormatError(f"{tier.path(rel)}: cannot decode ({e})") from e
+    try:
+        meta = json.loads(tier.read_bytes(f"{name}/{STATE_FILE}"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{tier.path(name, STATE_FILE)}: not valid JSON") from e
+    if meta.get("step") != manifest["step"]:
+        raise CheckpointFormatError(
+            f"{location}: state is of step {meta.get('step')}, manifest of {manifest['step']}")
+    return LoadedArchive(name=name, location=location, manifest=manifest, meta=meta,
+                         tensors=tensors)
+
+
+@dataclass(frozen=True)
+class ArchiveListing:
+    """What the tier holds for one rank: published archives (newest first) and staging debris."""
+
+    published: list[tuple[int, str]]
+    staging: list[str]
+
+
+def list_archives(tier: RemoteTier, rank: int) -> ArchiveListing:
+    published: list[tuple[int, str]] = []
+    staging: list[str] = []
+    for entry in tier.list():
+        if STAGING_MARK in entry:
+            parsed = parse_checkpoint_name(entry.split(STAGING_MARK, 1)[0])
+            if parsed is not None and parsed[1] == rank:
+                staging.append(entry)
+            continue
+        parsed = parse_checkpoint_name(entry)
+        if parsed is not None and parsed[1] == rank:
+            published.append((parsed[0], entry))
+    published.sort(reverse=True)
+    return ArchiveListing(published=published, staging=staging)

@@ -1,0 +1,131 @@
+"""The remote tier: persistent storage behind an fsspec URL (local dir, NFS, S3, GCS, memory).
+
+It owns durability and atomic publication, nothing about checkpoint contents: files are
+written into a staging directory, fsynced, and the directory is published under its final
+name in one rename (on a local file system an atomic ``rename(2)`` followed by an fsync of the
+parent; on object stores fsspec's ``mv``, where the manifest-written-last rule of the archive
+is what makes a half-published checkpoint detectable).
+
+Threading: one writer thread and any number of readers; methods hold no shared state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import uuid
+from collections.abc import Iterable
+from typing import IO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
+
+STAGING_MARK = ".staging-"
+_READ_CHUNK = 16 << 20
+
+
+class RemoteTier:
+    """A directory tree under an fsspec URL, written with fsync + atomic publish."""
+
+    name = "remote"
+
+    def __init__(self, url: str) -> None:
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def new_staging(self, name: str) -> str:
+        """Reserve a staging directory for checkpoint ``name``; returns its relative name."""
+        staging = f"{name}{STAGING_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.fs.makedirs(self.path(staging), exist_ok=True)
+        return staging
+
+    def write_file(self, relpath: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        """Write ``chunks`` to ``relpath`` durably; returns (bytes written, SHA256 hex).
+
+        The digest is computed from the very buffers handed to the file, so it certifies what
+        was written, not a second reading of the source.
+        """
+        digest = hashlib.sha256()
+        size = 0
+        target = self.path(relpath)
+        if self.is_local:
+            with open(target, "wb") as f:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    size += f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with self.fs.open(target, "wb") as f:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    f.write(chunk)
+                    size += len(memoryview(chunk).cast("B"))
+        return size, digest.hexdigest()
+
+    def publish(self, staging: str, final: str) -> None:
+        """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost."""
+        src, dst = self.path(staging), self.path(final)
+        if self.fs.exists(dst):
+            aside = f"{final}.replaced-{uuid.uuid4().hex[:8]}"
+            log.warning("checkpoint %s already exists; moving it aside to %s", dst, aside)
+            self._rename(dst, self.path(aside))
+        self._rename(src, dst)
+
+    def _rename(self, src: str, dst: str) -> None:
+        if self.is_local:
+            _fsync_dir(src)
+            os.rename(src, dst)
+            _fsync_dir(os.path.dirname(dst))
+        else:
+            self.fs.mv(src, dst, recursive=True)
+
+    def list(self) -> list[str]:
+        """Names of the entries directly under the root."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def exists(self, relpath: str) -> bool:
+        return bool(self.fs.exists(self.path(relpath)))
+
+    def open_read(self, relpath: str) -> IO[bytes]:
+        return self.fs.open(self.path(relpath), "rb")
+
+    def read_bytes(self, relpath: str) -> bytes:
+        return bytes(self.fs.cat_file(self.path(relpath)))
+
+    def digest(self, relpath: str) -> tuple[int, str]:
+        """Stream a stored file once; returns (size, SHA256 hex)."""
+        h = hashlib.sha256()
+        size = 0
+        with self.open_read(relpath) as f:
+            while chunk := f.read(_READ_CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+        return size, h.hexdigest()
+
+    def local_path(self, relpath: str) -> str | None:
+        """A file-system path when the tier is local (lets readers mmap), else None."""
+        return self.path(relpath) if self.is_local else None
+
+    def remove(self, relpath: str) -> None:
+        self.fs.rm(self.path(relpath), recursive=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

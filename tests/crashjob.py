@@ -1,0 +1,136 @@
+"""A small real training job run as a child process by the crash tests.
+
+Dropout, BatchNorm buffers, AdamW, a cosine LR schedule and shuffled data drawn through
+``ResumableSampler``; every step's loss is appended (as a float hex string) to ``--losses``;
+at the end the model and optimizer state go to ``--final`` (safetensors + JSON).
+
+Fault injection (all real SIGKILLs of this process):
+- ``--kill-after-step S``: after step S completed, was observed and no save is in flight;
+- ``--kill-in-save S --kill-point {tensors,publish}``: while the background writer persists
+  the checkpoint of step S — in the middle of the tensor file, or after every file of the
+  staging directory was written but before it is published.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
+from ckptpilot.storage import archive
+from ckptpilot.tiers.remote import RemoteTier
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _inject_kill_in_save(step: int, point: str) -> None:
+    prefix = archive.checkpoint_name(step, 0)
+    if point == "tensors":
+        original = RemoteTier.write_file
+
+        def write_file(self: RemoteTier, relpath: str, chunks):  # type: ignore[no-untyped-def]
+            if relpath.startswith(prefix) and relpath.endswith(archive.TENSORS_FILE):
+                def dying(source):  # type: ignore[no-untyped-def]
+                    for i, chunk in enumerate(source):
+                        yield chunk
+                        if i == 2:
+                            _die()
+                chunks = dying(chunks)
+            return original(self, relpath, chunks)
+
+        RemoteTier.write_file = write_file  # type: ignore[method-assign]
+    else:
+        original_publish = RemoteTier.publish
+
+        def publish(self: RemoteTier, staging: str, final: str) -> None:
+            if final == prefix:
+                _die()
+            original_publish(self, staging, final)
+
+        RemoteTier.publish = publish  # type: ignore[method-assign]
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+            torch.nn.Dropout(0.2), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+            torch.nn.Dropout(0.2), torch.nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--losses", required=True)
+    p.add_argument("--final", required=True)
+    p.add_argument("--kill-after-step", type=int)
+    p.add_argument("--kill-in-save", type=int)
+    p.add_argument("--kill-point", choices=["tensors", "publish"], default="tensors")
+    a = p.parse_args()
+    if a.kill_in_save is not None:
+        _inject_kill_in_save(a.kill_in_save, a.kill_point)
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(512, 16, generator=gen)
+    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
+    sampler = ResumableSampler(len(x), seed=7)
+    pilot = CheckpointPilot(load_policy(a.config, run_dir=a.run_dir), model=model,
+                            optimizer=opt, lr_scheduler=sched, data_state=sampler)
+    start = pilot.restore()
+    print(f"RESUMED {start} {pilot.last_recovery.source.value}", flush=True)
+    with open(a.losses, "a") as log:
+        for step in range(start, a.steps):
+            model.train()
+            idx = sampler.take(32)
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            sched.step()
+            log.write(f"{step} {loss.item().hex()}\n")
+            log.flush()
+            pilot.observe(loss)
+            if a.kill_after_step == step:
+                pilot.flush()  # "between saves": nothing in flight when the kill lands
+                _die()
+    pilot.close()
+    sd = opt.state_dict()
+    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt/{pid}/{k}"] = v.contiguous()
+    safetensors.torch.save_file(tensors, a.final)
+    Path(a.final + ".json").write_text(json.dumps({
+        "param_groups": sd["param_groups"], "sampler": sampler.state_dict(),
+        "sched": sched.state_dict(),
+        "torch_rng": torch.get_rng_state().tolist(), "saves": len(pilot.saves)}))
+    print("DONE", flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
