@@ -139,7 +139,7 @@ class _Run:
     restored: dict[str, Any] = field(default_factory=dict)
     last_step: int = 0
     saves: list[dict[str, Any]] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
     done: bool = False
     returncode: int | None = None
 
@@ -168,7 +168,7 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                       + (f" in {ev['seconds']:.3f} s" if src != "none" else " (fresh run)"))
             elif kind == "step":
                 run.last_step = ev["step"]
-                run.losses.append(ev["loss"])
+                run.losses[ev["step"]] = ev["loss"]
                 if ev["step"] % 20 == 0 or ev["step"] == steps:
                     rate = (ev["step"] - run.restored.get("step", 0)) / (time.monotonic() - t0)
                     print(f"[{label}] step {ev['step']:>5}/{total}  loss {ev['loss']:.3f}  "
@@ -216,10 +216,13 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
         config.write_text(DEMO_POLICY)
     policy = load_policy(config, run_dir=run_dir)
     interval = policy.scheduler.base_interval
-    kill_at = max(1, int(steps * 0.6))
+    kill_at = max(int(steps * 0.6), interval + interval // 2)
     if kill_at % interval == 0:
         kill_at += interval // 2
     kill_at = min(kill_at, steps - 1)
+    if kill_at <= interval:
+        print(f"note: with {steps} steps and a {interval}-step interval no checkpoint exists "
+              "before the crash; the second run starts over")
     print(f"ckptpilot demo: {steps} steps of a char-level transformer on stdlib text, "
           f"checkpoint every {interval} steps, SIGKILL near step {kill_at}")
     print(f"run dir: {run_dir}")
@@ -236,10 +239,14 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
     restored = second.restored
     saves = first.saves + second.saves
     stalls = [s["stall"] for s in saves]
+    replayed = sorted(set(first.losses) & set(second.losses))
+    identical = sum(first.losses[s] == second.losses[s] for s in replayed)
     rows = [
         ("steps trained", f"{steps} (+{first.last_step - restored['step']} re-run after "
                           "the crash)"),
-        ("final loss", f"{second.losses[-1]:.3f} (first step {first.losses[0]:.3f})"),
+        ("loss", f"{first.losses[1]:.3f} at step 1, {second.losses[steps]:.3f} at step {steps}"),
+        ("replayed steps", f"{identical}/{len(replayed)} losses bit-identical to the run "
+                           "before the crash"),
         ("checkpoints saved", f"{len(saves)} (run 1: {len(first.saves)}, "
                               f"run 2: {len(second.saves)})"),
         ("bytes written", f"{sum(s['bytes'] for s in saves) / 1e6:.1f} MB"),
@@ -257,7 +264,10 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
     print("\nsummary")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    if not math.isfinite(second.losses[-1]):
+    if identical != len(replayed):
+        raise DemoError(f"resume was not bit-exact: {len(replayed) - identical} replayed "
+                        "steps have a different loss")
+    if not math.isfinite(second.losses[steps]):
         raise DemoError("training diverged (non-finite loss)")
     return 0
 

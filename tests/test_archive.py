@@ -1,0 +1,149 @@
+"""The organ archive on the remote tier: layout, verification, corruption, no pickle."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptpilot import CheckpointFormatError, IntegrityError
+from ckptpilot.state import TrainingComponents, capture
+from ckptpilot.storage import archive
+from ckptpilot.tiers.remote import RemoteTier
+
+
+@pytest.fixture(params=["local", "memory"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> RemoteTier:
+    if request.param == "local":
+        return RemoteTier(str(tmp_path / "ckpt"))
+    return RemoteTier(f"memory://ckptpilot-test-{uuid.uuid4().hex}/ckpt")
+
+
+def snapshot(step: int = 7):  # type: ignore[no-untyped-def]
+    torch.manual_seed(step)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    model.register_buffer("fp16", torch.randn(3, dtype=torch.float16))
+    model.register_buffer("bf", torch.randn(2, 2, dtype=torch.bfloat16))
+    model.register_buffer("flags", torch.tensor([True, False]))
+    model.register_buffer("scalar", torch.tensor(3.5))
+    model.register_buffer("empty", torch.zeros(0, 4))
+    return capture(TrainingComponents(model), step=step, extras={"note": "x"})
+
+
+def test_round_trip_is_bit_exact(tier: RemoteTier) -> None:
+    snap = snapshot()
+    written = archive.write_organ(tier, snap, level="organ", reason="test")
+    assert written.name == "step_00000007_rank_00000"
+    assert sorted(tier.list()) == [written.name]
+    loaded = archive.read_organ(tier, written.name)
+    assert loaded.manifest["level"] == "organ" and loaded.manifest["reason"] == "test"
+    assert loaded.meta == json.loads(json.dumps(snap.meta))
+    assert loaded.tensors.keys() == snap.tensors.keys()
+    for k, v in snap.tensors.items():
+        got = loaded.tensors[k]
+        assert got.dtype == v.dtype and got.shape == v.shape, k
+        assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+    assert written.bytes == sum(f["bytes"] for f in written.manifest["files"].values())
+
+
+def test_files_are_plain_safetensors_and_json(tier: RemoteTier) -> None:
+    written = archive.write_organ(tier, snapshot())
+    files = set(written.manifest["files"]) | {archive.MANIFEST_FILE}
+    assert files == {archive.TENSORS_FILE, archive.STATE_FILE, archive.MANIFEST_FILE}
+    raw = tier.read_bytes(f"{written.name}/{archive.TENSORS_FILE}")
+    import safetensors.torch
+
+    assert set(safetensors.torch.load(raw)) == set(snapshot().tensors)
+
+
+def test_load_path_never_unpickles(tier: RemoteTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = archive.write_organ(tier, snapshot()).name
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("pickle used on the load path")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert archive.read_organ(tier, name).manifest["step"] == 7
+
+
+def _corrupt(tier: RemoteTier, rel: str, mutate) -> None:  # type: ignore[no-untyped-def]
+    data = bytearray(tier.read_bytes(rel))
+    with tier.fs.open(tier.path(rel), "wb") as f:
+        f.write(bytes(mutate(data)))
+
+
+def _flip(data: bytearray) -> bytearray:
+    data[len(data) // 2] ^= 0x10
+    return data
+
+
+@pytest.mark.parametrize(("fname", "mutate", "error", "match"), [
+    (archive.TENSORS_FILE, _flip, IntegrityError, "tensors.safetensors: SHA256 mismatch"),
+    (archive.TENSORS_FILE, lambda d: d[: len(d) // 2], CheckpointFormatError, "truncated"),
+    (archive.TENSORS_FILE, lambda d: bytearray(), CheckpointFormatError, "truncated"),
+    (archive.STATE_FILE, _flip, IntegrityError, "state.json: SHA256 mismatch"),
+    (archive.MANIFEST_FILE, lambda d: d.replace(b'"step": 7', b'"step": 8'), IntegrityError,
+     "manifest.json: SHA256 mismatch"),
+    (archive.MANIFEST_FILE, lambda d: d[:10], CheckpointFormatError, "not valid JSON"),
+])
+def test_corruption_is_detected_never_loaded(tier: RemoteTier, fname: str, mutate, error,  # type: ignore[no-untyped-def]
+                                             match: str) -> None:
+    name = archive.write_organ(tier, snapshot()).name
+    _corrupt(tier, f"{name}/{fname}", mutate)
+    with pytest.raises(error, match=match):
+        archive.read_organ(tier, name)
+
+
+def test_missing_manifest_means_incomplete(tier: RemoteTier) -> None:
+    name = archive.write_organ(tier, snapshot()).name
+    tier.remove(f"{name}/{archive.MANIFEST_FILE}")
+    with pytest.raises(CheckpointFormatError, match=r"missing \(the writer did not finish\)"):
+        archive.read_organ(tier, name)
+
+
+def test_unknown_format_version_is_refused(tier: RemoteTier) -> None:
+    name = archive.write_organ(tier, snapshot()).name
+    rel = f"{name}/{archive.MANIFEST_FILE}"
+    manifest = json.loads(tier.read_bytes(rel))
+    manifest["format_version"] = 99
+    with tier.fs.open(tier.path(rel), "wb") as f:
+        f.write(json.dumps(manifest).encode())
+    with pytest.raises(CheckpointFormatError, match="format version 99 is not supported"):
+        archive.read_organ(tier, name)
+
+
+def test_listing_separates_published_staging_and_other_ranks(tier: RemoteTier) -> None:
+    for step in (3, 12, 5):
+        archive.write_organ(tier, snapshot(step))
+    staging = tier.new_staging(archive.checkpoint_name(20, 0))
+    tier.write_file(f"{staging}/{archive.TENSORS_FILE}", [b"partial"])
+    tier.fs.makedirs(tier.path(archive.checkpoint_name(30, 1)), exist_ok=True)
+    tier.fs.makedirs(tier.path("unrelated"), exist_ok=True)
+    listing = archive.list_archives(tier, rank=0)
+    assert [s for s, _ in listing.published] == [12, 5, 3]
+    assert listing.staging == [staging]
+    assert [s for s, _ in archive.list_archives(tier, rank=1).published] == [30]
+
+
+def test_republishing_a_step_sets_the_old_one_aside(tier: RemoteTier) -> None:
+    archive.write_organ(tier, snapshot(4))
+    archive.write_organ(tier, snapshot(4))
+    entries = tier.list()
+    assert "step_00000004_rank_00000" in entries
+    assert any(e.startswith("step_00000004_rank_00000.replaced-") for e in entries)
+
+
+def test_uncheckpointable_dtype_is_named() -> None:
+    from ckptpilot.state import Snapshot
+
+    snap = Snapshot(step=1, tensors={"model/c": torch.zeros(2, dtype=torch.complex64)},
+                    meta={"rank": 0, "world_size": 1})
+    with pytest.raises(CheckpointFormatError, match=r"model/c: dtype torch\.complex64"):
+        list(archive._safetensors_chunks(snap.tensors))

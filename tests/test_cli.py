@@ -1,0 +1,79 @@
+"""The `ckptpilot` command: the demo end to end, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def ckptpilot(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptpilot", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.crash
+def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tmp_path / "fast.yaml"
+    cfg.write_text("scheduler: {base_interval: 10, min_interval: 1, max_interval: 500}\n")
+    run_dir = tmp_path / "demo"
+    out = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.split("\nsummary\n", 1)[1]
+    fields = dict(line.strip().split("  ", 1) for line in summary.splitlines() if line.strip())
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    assert fields["crash"] == "SIGKILL of the training process at step 24"
+    assert fields["recovered step"] == "20"
+    assert fields["steps lost"] == "4"
+    assert fields["recovery source"].startswith("remote (")
+    assert fields["replayed steps"].startswith("4/4 losses bit-identical")
+    assert fields["checkpoints saved"].startswith("4 ")
+    assert float(fields["median stall per save"].split()[0]) > 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        f"step_{s:08d}_rank_00000" for s in (10, 20, 30, 40)]
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "checkpoint/save_seconds", "checkpoint/bytes"} <= tags
+
+    again = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
+    assert again.returncode == 0, again.stderr  # a previous demo directory is reused
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["demo", "--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["demo", "--steps", "many"], "expected a positive integer, got 'many'"),
+    (["demo", "--steps", "5"], "--steps must be at least 20"),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+    (["demo", "--config", "/nonexistent/p.yaml"], "/nonexistent/p.yaml"),
+    (["nope"], "invalid choice: 'nope'"),
+    ([], "the following arguments are required: command"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    out = ckptpilot(*args, cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_demo_refuses_a_foreign_non_empty_run_dir(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("keep me")
+    out = ckptpilot("demo", "--run-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "is not empty and was not made by the demo" in out.stderr
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_bad_policy_key_is_named(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("scheduler: {min_interval: 50, max_interval: 10}\n")
+    out = ckptpilot("demo", "--config", str(cfg), "--run-dir", str(tmp_path / "r"))
+    assert out.returncode == 2
+    assert "scheduler.min_interval" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
