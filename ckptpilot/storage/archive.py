@@ -115,9 +115,35 @@ def _manifest_digest(manifest: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class StagedArchive:
+    """A complete archive in its staging directory: written and fsynced, not yet visible."""
+
+    name: str
+    staging: str
+    bytes: int
+    manifest: dict[str, Any]
+
+
+def model_layout(snapshot: Snapshot) -> dict[str, tuple[str, list[int]]]:
+    """Names, safetensors dtypes and shapes of the model tensors: what a load test expects."""
+    return {k: (_SAFETENSORS_DTYPES[t.dtype], list(t.shape))
+            for k, t in snapshot.tensors.items() if k.startswith("model/")}
+
+
 def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "") -> WrittenArchive:
     """Write ``snapshot`` as a complete archive and publish it atomically."""
+    staged = stage_organ(tier, snapshot, level=level, reason=reason)
+    tier.publish(staged.staging, staged.name)
+    return WrittenArchive(name=staged.name, location=tier.path(staged.name), bytes=staged.bytes,
+                          manifest=staged.manifest)
+
+
+def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
+                reason: str = "") -> StagedArchive:
+    """Write ``snapshot`` into a fresh staging directory, manifest last; publish separately
+    (after validation) with ``tier.publish(staged.staging, staged.name)``."""
     meta = snapshot.meta
     name = checkpoint_name(snapshot.step, meta["rank"])
     staging = tier.new_staging(name)
@@ -143,9 +169,8 @@ def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     }
     manifest["self_sha256"] = _manifest_digest(manifest)
     tier.write_file(f"{staging}/{MANIFEST_FILE}", [json.dumps(manifest, indent=1).encode()])
-    tier.publish(staging, name)
     total = sum(f["bytes"] for f in files.values())
-    return WrittenArchive(name=name, location=tier.path(name), bytes=total, manifest=manifest)
+    return StagedArchive(name=name, staging=staging, bytes=total, manifest=manifest)
 
 
 def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:

@@ -1,0 +1,258 @@
+"""The load test: decode a staged checkpoint in a separate process before it may become valid.
+
+A checkpoint is only worth its name if it loads. Loading it in the training process would
+expose training to whatever the file holds (a hostile header claiming a 1 TB tensor, a decoder
+crash), so the test runs in a long-lived worker process (``python -m
+ckptpilot.validation.loadcheck``) that receives jobs as JSON lines on stdin and answers on
+stdout — no pickle crosses the pipe. Each job runs under an address-space limit
+(``RLIMIT_AS``) and a wall-clock timeout; a worker that times out or dies is killed and the
+checkpoint is reported as failing with the reason.
+
+What the worker checks, in order: the safetensors header is sane (bounded size, offsets
+inside the file, byte counts matching shape × dtype); every file's SHA256 matches the
+manifest; every tensor decodes; ``state.json`` parses, has the required fields and refers
+only to tensors that exist; the model tensors' names, shapes and dtypes equal the layout of
+the live model (the consistency check).
+
+Threading: a ``LoadChecker`` is used by one thread at a time (the pilot's writer thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger("ckptpilot")
+
+MAX_HEADER_BYTES = 100 << 20
+_REQUIRED_META = ("format_version", "step", "rank", "world_size", "model_keys", "rng")
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class LoadCheckResult:
+    ok: bool
+    reason: str
+    seconds: float
+    tensors: int = 0
+
+
+class LoadChecker:
+    """Parent side: owns the worker process, restarts it after a timeout or a crash."""
+
+    def __init__(self, *, timeout_seconds: float = 120.0,
+                 memory_margin_bytes: int = 1 << 30) -> None:
+        self.timeout_seconds = timeout_seconds
+        self.memory_margin_bytes = memory_margin_bytes
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._next_id = 0
+
+    def check(self, directory: str | os.PathLike[str], manifest: Mapping[str, Any],
+              expected_layout: Mapping[str, tuple[str, list[int]]]) -> LoadCheckResult:
+        """Load-test the checkpoint files in ``directory`` (a local path)."""
+        t0 = time.perf_counter()
+        sizes = [int(f["bytes"]) for f in manifest["files"].values()]
+        job = {"id": self._next_id, "dir": str(directory), "files": manifest["files"],
+               "expected": {k: [d, list(s)] for k, (d, s) in expected_layout.items()},
+               "memory_limit_bytes": sum(sizes) * 2 + self.memory_margin_bytes}
+        self._next_id += 1
+        proc = self._worker()
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
+            proc.stdin.flush()
+            line = _readline(proc.stdout, self.timeout_seconds)
+        except (BrokenPipeError, OSError) as e:
+            self._kill()
+            return LoadCheckResult(False, f"load-test worker failed: {e}",
+                                   time.perf_counter() - t0)
+        if line is None:
+            self._kill()
+            return LoadCheckResult(False, f"load test timed out after {self.timeout_seconds:g} s",
+                                   time.perf_counter() - t0)
+        if not line:
+            code = self._kill()
+            return LoadCheckResult(False, f"load-test worker died (exit code {code})",
+                                   time.perf_counter() - t0)
+        reply = json.loads(line)
+        return LoadCheckResult(bool(reply["ok"]), str(reply["reason"]),
+                               time.perf_counter() - t0, int(reply.get("tensors", 0)))
+
+    def _worker(self) -> subprocess.Popen[bytes]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptpilot.validation.loadcheck"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        return self._proc
+
+    def _kill(self) -> int | None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        return proc.wait()
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        assert proc.stdin is not None
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+
+
+def _readline(stream: IO[bytes], timeout: float) -> bytes | None:
+    """One line from the worker, or None on timeout; b"" when the worker closed its end."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    fd = stream.fileno()
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b""
+        buf += chunk
+    return buf
+
+
+# -- worker side -----------------------------------------------------------------------------
+
+class _Failure(Exception):
+    pass
+
+
+def _check_header(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise _Failure(f"{path.name}: shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise _Failure(f"{path.name}: header claims {n} bytes, file has {size}")
+        header = json.loads(f.read(n))
+    data_bytes = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        width = _DTYPE_BYTES.get(info["dtype"])
+        if width is None:
+            raise _Failure(f"{name}: unknown dtype {info['dtype']!r}")
+        count = 1
+        for dim in info["shape"]:
+            count *= int(dim)
+        if not 0 <= begin <= end <= data_bytes or end - begin != count * width:
+            raise _Failure(f"{name}: header claims {count * width} bytes at [{begin}, {end}) "
+                           f"but the file holds {data_bytes} data bytes")
+    return header
+
+
+def _run_job(job: Mapping[str, Any]) -> dict[str, Any]:
+    import hashlib
+
+    from safetensors import safe_open
+
+    directory = Path(job["dir"])
+    for fname, rec in job["files"].items():
+        h = hashlib.sha256()
+        with open(directory / fname, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+        if h.hexdigest() != rec["sha256"]:
+            raise _Failure(f"{fname}: SHA256 {h.hexdigest()} != written {rec['sha256']}")
+    tensor_file = directory / "tensors.safetensors"
+    header = _check_header(tensor_file)
+    names = [k for k in header if k != "__metadata__"]
+    with safe_open(str(tensor_file), framework="pt") as f:
+        for name in names:
+            f.get_tensor(name)
+    meta = json.loads((directory / "state.json").read_text())
+    missing = [k for k in _REQUIRED_META if k not in meta]
+    if missing:
+        raise _Failure(f"state.json lacks required fields {missing}")
+    refs: list[str] = []
+    _collect_refs(meta, refs)
+    absent = sorted(set(refs) - set(names))
+    if absent:
+        raise _Failure(f"state.json refers to tensors absent from the file: {absent[:5]}")
+    for key in meta["model_keys"]:
+        if f"model/{key}" not in header:
+            raise _Failure(f"model/{key}: listed in state.json, absent from the tensors")
+    for name, (dtype, shape) in job["expected"].items():
+        info = header.get(name)
+        if info is None:
+            raise _Failure(f"{name}: the live model has it, the checkpoint does not")
+        if info["dtype"] != dtype or list(info["shape"]) != list(shape):
+            raise _Failure(f"{name}: checkpoint has {info['dtype']} {info['shape']}, the live "
+                           f"model {dtype} {list(shape)}")
+    return {"ok": True, "reason": "ok", "tensors": len(names)}
+
+
+def _collect_refs(value: Any, out: list[str]) -> None:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            out.append(value["__tensor__"])
+        for v in value.values():
+            _collect_refs(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _collect_refs(v, out)
+
+
+def _worker_main() -> None:
+    import resource
+
+    import torch
+
+    torch.set_num_threads(1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    for line in sys.stdin.buffer:
+        job = json.loads(line)
+        limit = _vm_size() + int(job["memory_limit_bytes"])
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        try:
+            reply = _run_job(job)
+        except _Failure as e:
+            reply = {"ok": False, "reason": str(e)}
+        except MemoryError:
+            reply = {"ok": False, "reason": "load test exceeded its memory bound"}
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            reply = {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        reply["id"] = job["id"]
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+if __name__ == "__main__":
+    _worker_main()

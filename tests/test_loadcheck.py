@@ -1,0 +1,120 @@
+"""The load test runs in a separate, bounded process and catches what a hash cannot."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptpilot.state import TrainingComponents, capture
+from ckptpilot.storage.archive import STATE_FILE, TENSORS_FILE, model_layout, stage_organ
+from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.validation.loadcheck import LoadChecker
+
+
+@pytest.fixture(scope="module")
+def checker() -> Any:
+    lc = LoadChecker(timeout_seconds=30)
+    yield lc
+    lc.close()
+
+
+def staged(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64))
+    snap = capture(TrainingComponents(model), step=4)
+    tier = RemoteTier(str(tmp_path / "ckpt"))
+    st = stage_organ(tier, snap)
+    return Path(tier.path(st.staging)), json.loads(json.dumps(st.manifest)), model_layout(snap)
+
+
+def rewrite(directory: Path, manifest: dict[str, Any], fname: str, data: bytes) -> None:
+    """Replace a file *and* its recorded digest: damage no hash can see."""
+    (directory / fname).write_bytes(data)
+    manifest["files"][fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_good_checkpoint_passes(checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    result = checker.check(d, manifest, layout)
+    assert result.ok, result.reason
+    assert result.tensors == len(layout) + 1  # + the torch RNG state
+
+
+def test_the_worker_is_another_process(checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    checker.check(d, manifest, layout)
+    assert checker._proc is not None and checker._proc.pid != os.getpid()
+
+
+def test_bytes_differing_from_what_was_written_fail(checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    data = bytearray((d / TENSORS_FILE).read_bytes())
+    data[-1] ^= 0xFF
+    (d / TENSORS_FILE).write_bytes(bytes(data))
+    result = checker.check(d, manifest, layout)
+    assert not result.ok and "tensors.safetensors: SHA256" in result.reason
+
+
+def test_layout_differing_from_the_live_model_fails(checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    layout["model/0.weight"] = ("F32", [64, 33])
+    result = checker.check(d, manifest, layout)
+    assert not result.ok and "model/0.weight: checkpoint has F32 [64, 32]" in result.reason
+    layout = {**staged(tmp_path / "b")[2], "model/extra": ("F32", [1])}
+    d2, m2, _ = staged(tmp_path / "c")
+    assert "model/extra: the live model has it" in checker.check(d2, m2, layout).reason
+
+
+def test_hostile_header_is_refused_without_allocating(checker: LoadChecker,
+                                                      tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    raw = (d / TENSORS_FILE).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["model/0.weight"]["shape"] = [1 << 20, 1 << 18]  # 1 TiB of float32
+    header["model/0.weight"]["data_offsets"][1] = 1 << 40
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    rewrite(d, manifest, TENSORS_FILE, len(hb).to_bytes(8, "little") + hb + raw[8 + n:])
+    result = checker.check(d, manifest, layout)
+    assert not result.ok and "header claims 1099511627776 bytes" in result.reason
+    good_d, good_m, good_l = staged(tmp_path / "again")
+    assert checker.check(good_d, good_m, good_l).ok  # the worker survived
+
+
+def test_state_missing_required_fields_fails(checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    meta = json.loads((d / STATE_FILE).read_text())
+    del meta["rng"]
+    rewrite(d, manifest, STATE_FILE, json.dumps(meta).encode())
+    result = checker.check(d, manifest, layout)
+    assert not result.ok and "lacks required fields ['rng']" in result.reason
+
+
+def test_dangling_tensor_reference_fails(checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    meta = json.loads((d / STATE_FILE).read_text())
+    meta["extras"] = {"x": {"__tensor__": "extras/x"}}
+    rewrite(d, manifest, STATE_FILE, json.dumps(meta).encode())
+    result = checker.check(d, manifest, layout)
+    assert not result.ok and "absent from the file: ['extras/x']" in result.reason
+
+
+def test_a_hanging_load_times_out_and_the_worker_is_replaced(tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path)
+    (d / TENSORS_FILE).unlink()
+    os.mkfifo(d / TENSORS_FILE)  # opening it for reading blocks forever
+    lc = LoadChecker(timeout_seconds=3)
+    try:
+        result = lc.check(d, manifest, layout)
+        assert not result.ok and result.reason == "load test timed out after 3 s"
+        good = staged(tmp_path / "good")
+        assert lc.check(*good).ok
+    finally:
+        lc.close()
