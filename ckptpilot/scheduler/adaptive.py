@@ -1,0 +1,291 @@
+"""The adaptive checkpoint scheduler: when to save, at which level, kept for how long (SPEC §4).
+
+This module owns :class:`AdaptiveCheckpointScheduler`, the pure decision at each step boundary:
+from the loss, the gradient-norm probes and a health reading it derives three signals, a
+score, the interval in force, and whether a pulse or organ is due now. It also owns the save
+bookkeeping the decision depends on (last save step, saves since the last organ, the hard-error
+reading last acted on, whether the score trigger is armed).
+
+It must not do I/O, read a clock, import numpy or torch, or talk to other ranks: health
+readings, costs and agreed signals arrive as data, and the caller (the pilot) does the saving,
+the logging and the collective. Same inputs in the same order give the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from ckptpilot.policy import RetentionPolicy, SchedulerPolicy
+from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass, SystemHealth
+from ckptpilot.scheduler.ledger import daly_interval
+from ckptpilot.scheduler.signals import GradActivity, LossTrend
+
+__all__ = ["MAX_SCORE_REDUCTION", "SIGNAL_KEYS", "AdaptiveCheckpointScheduler"]
+
+SIGNAL_KEYS = ("loss", "grad", "system", "hard_errors", "non_finite")
+"""Keys of :meth:`AdaptiveCheckpointScheduler.measure`; a fixed order for the cross-rank max."""
+
+MAX_SCORE_REDUCTION = 0.95
+"""interval = base·(1 − min(score, 0.95)): even a maximal score keeps 5 % of the base."""
+
+
+class AdaptiveCheckpointScheduler:
+    """Decides, step by step, whether a pulse or organ checkpoint is due.
+
+    Lifecycle and threading — everything runs on the training thread, once per step boundary:
+
+    1. construct with ``policy.scheduler`` (and ``policy.retention``; defaults otherwise);
+    2. after a restore, or whenever a save happens that the scheduler did not decide (a
+       forced ``pilot.save``), call :meth:`note_save` so the interval counts from there;
+    3. whenever the save cost, MTBF or step time is (re)measured, :meth:`set_cost_model`;
+    4. per step, :meth:`decide` — or, in a distributed run, :meth:`measure` on every rank,
+       an element-wise max of the returned signals over ranks (one tiny collective, keys in
+       :data:`SIGNAL_KEYS` order), then :meth:`decide_from` with the agreed signals. Every
+       rank then holds the same bookkeeping and takes the same decision.
+
+    Rules (SPEC §4), with the choices the spec leaves open:
+
+    * score = w_loss·loss + w_grad·grad + w_system·system, each signal clamped to [0, 1]
+      (NaN counts as 0); interval = clamp(round_half_up(base·(1 − min(score, 0.95))),
+      min_interval, max_interval), ``base`` being :attr:`base_interval`.
+    * A save is due when ``step − last save step ≥ interval``. A score reaching
+      ``trigger_threshold`` saves at once, on the rising edge only: while the score stays at
+      or above the threshold the (shortened) interval rule applies, so a long fast-change
+      phase does not save every step. The trigger re-arms when the score falls below.
+    * A step is saved at most once: nothing is saved at the step of the last save (a repeated
+      decision, or the step :meth:`note_save` reported).
+    * New hard errors save an organ at once (``emergency``, class critical). ``measure``
+      reports as ``hard_errors`` how many errors this rank's probe counted beyond the reading
+      last acted on — not the raw count: a max over ranks of raw counts would hide a first
+      error on one rank behind an older, higher count on another. Errors count as acted on
+      only when the emergency save is decided (every rank then moves its reference to its
+      latest reading); if the step is non-finite or already saved, it fires at the next step.
+      A reading that falls (a restarted probe) becomes the new reference. Health probes must
+      count errors since they started: a first reading above 0 is an emergency.
+    * Level: the ``organ_every``-th save since the last organ is an organ, else a pulse.
+      Emergency organs (and organs passed to :meth:`note_save`) restart that count: an organ
+      is a fresh self-contained base, and ``organ_every`` bounds the saves since the last one.
+    * A non-finite loss or grad norm (on any rank) gives ``save=False, non_finite=True`` and
+      changes no bookkeeping; the trackers never saw the value (see ``signals.py``).
+    * Retention class from the score at save time: ≥ ``critical_score`` critical,
+      ≥ ``important_score`` important, else routine; emergency saves are critical.
+    """
+
+    def __init__(self, policy: SchedulerPolicy, retention: RetentionPolicy | None = None) -> None:
+        self.policy = policy
+        self.retention = RetentionPolicy() if retention is None else retention
+        self._loss = LossTrend(policy.loss)
+        self._grad = GradActivity(policy.grad)
+        weights = policy.weights
+        self._w_loss, self._w_grad, self._w_system = weights.loss, weights.grad, weights.system
+        self._base = policy.base_interval
+        self._last_save_step = 0
+        self._saves_since_organ = 0
+        self._hard_errors_reading = 0
+        self._hard_errors_acted_on = 0
+        self._trigger_armed = True
+        self._non_finite_note: tuple[int, str] | None = None
+
+    @property
+    def base_interval(self) -> int:
+        """The base interval in force: ``base_interval``, capped by the Young/Daly bound."""
+        return self._base
+
+    @property
+    def last_save_step(self) -> int:
+        """Step of the last save decided or noted (0 before any)."""
+        return self._last_save_step
+
+    def set_cost_model(
+        self,
+        save_seconds: float | None,
+        mtbf_seconds: float | None,
+        step_seconds: float | None,
+    ) -> None:
+        """Cap the base interval by Daly's optimum τ, in steps: min(base, ⌊τ / step⌋).
+
+        ``save_seconds`` is what one save costs the training (the stall it causes), ``mtbf``
+        comes from the failure ledger and ``step_seconds`` is the mean step time. The cap
+        applies only with ``young_daly: true`` and all three known; it never goes below
+        ``min_interval``. Passing ``None`` for any of them removes the cap.
+        """
+        for name, value in (
+            ("save_seconds", save_seconds),
+            ("mtbf_seconds", mtbf_seconds),
+            ("step_seconds", step_seconds),
+        ):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+        base = self.policy.base_interval
+        if (
+            self.policy.young_daly
+            and save_seconds is not None
+            and mtbf_seconds is not None
+            and step_seconds is not None
+        ):
+            bound_steps = math.floor(daly_interval(save_seconds, mtbf_seconds) / step_seconds)
+            base = max(self.policy.min_interval, min(base, bound_steps))
+        self._base = base
+
+    def note_save(self, step: int, level: Level | str) -> None:
+        """Record a save the scheduler did not decide (forced, or the restored checkpoint)."""
+        level = Level(level)
+        if level is Level.HEARTBEAT:
+            raise ValueError("a heartbeat is not a save; note only pulse or organ saves")
+        self._record_save(step, level)
+
+    def measure(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float | None = None,
+        system: SystemHealth | None = None,
+    ) -> dict[str, float]:
+        """Update the trackers with this rank's values and return its signals.
+
+        ``grad_norm`` is a probe: pass it only on the steps where it was measured (every
+        ``grad.probe_every`` optimizer steps), ``None`` otherwise. ``system=None`` means no
+        health reading: system signal 0 and the hard-error count of the last reading.
+        The result maps :data:`SIGNAL_KEYS` to floats: ``loss``/``grad``/``system`` in
+        [0, 1], ``hard_errors`` the hard errors not yet acted on by an emergency save,
+        ``non_finite`` 1.0 when the loss or grad norm was NaN or infinite (it was then kept
+        out of the trackers).
+        """
+        problem = None
+        if not self._loss.update(loss):
+            problem = f"loss ({float(loss)})"
+        if grad_norm is not None and not self._grad.update(grad_norm):
+            grad_problem = f"grad norm ({float(grad_norm)})"
+            problem = grad_problem if problem is None else f"{problem} and {grad_problem}"
+        if problem is not None:
+            self._non_finite_note = (step, problem)
+        if system is None:
+            system_signal = 0.0
+        else:
+            system_signal = system.signal
+            self._hard_errors_reading = system.hard_errors
+            # A reading below the reference means the probe restarted: start from it.
+            self._hard_errors_acted_on = min(self._hard_errors_acted_on, system.hard_errors)
+        return {
+            "loss": self._loss.signal,
+            "grad": self._grad.signal,
+            "system": system_signal,
+            "hard_errors": float(self._hard_errors_reading - self._hard_errors_acted_on),
+            "non_finite": 0.0 if problem is None else 1.0,
+        }
+
+    def decide(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float | None = None,
+        system: SystemHealth | None = None,
+    ) -> CheckpointDecision:
+        """Single-process shortcut: ``decide_from(step, measure(step, loss, ...))``."""
+        return self.decide_from(step, self.measure(step, loss, grad_norm, system))
+
+    def decide_from(self, step: int, signals: Mapping[str, float]) -> CheckpointDecision:
+        """Decide for ``step`` from signals (this rank's, or the element-wise max over ranks).
+
+        A decided save updates the bookkeeping at once: the scheduler takes it as done. A
+        caller that ends up saving something else (or at another step) reports that through
+        :meth:`note_save`.
+        """
+        loss = _unit(signals["loss"])
+        grad = _unit(signals["grad"])
+        system = _unit(signals["system"])
+        new_hard_errors = float(signals["hard_errors"])
+        if not (math.isfinite(new_hard_errors) and new_hard_errors >= 0):
+            raise ValueError(f"hard_errors must be a count >= 0, got {new_hard_errors!r}")
+        score = self._w_loss * loss + self._w_grad * grad + self._w_system * system
+        interval = self._interval_for(score)
+        clean = {"loss": loss, "grad": grad, "system": system}
+
+        if signals["non_finite"] > 0:
+            reason = self._non_finite_reason(step)
+            if new_hard_errors:
+                reason += "; emergency save deferred"
+            return self._decision(step, None, interval, score, clean, reason, non_finite=True)
+
+        threshold = self.policy.trigger_threshold
+        triggered = self._trigger_armed and score >= threshold
+        self._trigger_armed = score < threshold
+        if step == self._last_save_step:
+            reason = "already saved at this step"
+            if new_hard_errors:
+                reason += "; emergency save deferred"
+            return self._decision(step, None, interval, score, clean, reason)
+
+        if new_hard_errors:
+            self._hard_errors_acted_on = self._hard_errors_reading
+            self._record_save(step, Level.ORGAN)
+            reason = f"emergency: {new_hard_errors:g} new hard error(s)"
+            return self._decision(step, Level.ORGAN, interval, score, clean, reason, emergency=True)
+        if triggered:
+            reason = f"trigger: score {score:.2f} >= {threshold:g}"
+        else:
+            since = step - self._last_save_step
+            if since < interval:
+                return self._decision(step, None, interval, score, clean, "not due")
+            reason = f"interval: {since} steps since last save (interval {interval})"
+        organ_due = self._saves_since_organ + 1 >= self.policy.organ_every
+        level = Level.ORGAN if organ_due else Level.PULSE
+        self._record_save(step, level)
+        return self._decision(step, level, interval, score, clean, reason)
+
+    def _decision(
+        self,
+        step: int,
+        level: Level | None,
+        interval: int,
+        score: float,
+        signals: dict[str, float],
+        reason: str,
+        *,
+        emergency: bool = False,
+        non_finite: bool = False,
+    ) -> CheckpointDecision:
+        """A save when ``level`` is set; emergency saves are critical, others classed by score."""
+        return CheckpointDecision(
+            step=step,
+            save=level is not None,
+            level=level,
+            interval=interval,
+            score=score,
+            signals=signals,
+            retention_class=RetentionClass.CRITICAL if emergency else self._class_for(score),
+            reason=reason,
+            emergency=emergency,
+            non_finite=non_finite,
+        )
+
+    def _interval_for(self, score: float) -> int:
+        reduced = self._base * (1.0 - min(score, MAX_SCORE_REDUCTION))
+        # Half-up rounding; Python's round() would round 62.5 to 62 but 63.5 to 64.
+        interval = math.floor(reduced + 0.5)
+        return min(max(interval, self.policy.min_interval), self.policy.max_interval)
+
+    def _class_for(self, score: float) -> RetentionClass:
+        if score >= self.retention.critical_score:
+            return RetentionClass.CRITICAL
+        if score >= self.retention.important_score:
+            return RetentionClass.IMPORTANT
+        return RetentionClass.ROUTINE
+
+    def _record_save(self, step: int, level: Level) -> None:
+        self._last_save_step = step
+        self._saves_since_organ = 0 if level is Level.ORGAN else self._saves_since_organ + 1
+
+    def _non_finite_reason(self, step: int) -> str:
+        note = self._non_finite_note
+        if note is not None and note[0] == step:
+            return f"non-finite {note[1]} at step {step}"
+        return f"non-finite loss or grad norm on another rank at step {step}"
+
+
+def _unit(value: float) -> float:
+    """Clamp a signal to [0, 1]; NaN (never a valid signal) counts as 0."""
+    if not value > 0.0:
+        return 0.0
+    return 1.0 if value > 1.0 else float(value)

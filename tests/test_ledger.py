@@ -1,0 +1,252 @@
+"""Young/Daly bounds and the failure ledger (JSON lines, torn tails, MTBF)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from enum import Enum
+from pathlib import Path
+
+import pytest
+
+from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.scheduler.ledger import (
+    FailureLedger,
+    Interruption,
+    daly_interval,
+    young_interval,
+)
+
+HOUR = 3600.0
+
+
+# -- Young / Daly ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mtbf_minutes", "daly_minutes", "young_minutes"),
+    [(24 * 60, 116.7, 120.0), (6 * 60, 56.7, 60.0), (15, 9.14, 12.2)],
+)
+def test_daly_and_young_vectors_for_five_minute_saves(
+    mtbf_minutes: float, daly_minutes: float, young_minutes: float
+) -> None:
+    assert daly_interval(5.0, mtbf_minutes) == pytest.approx(daly_minutes, abs=0.05)
+    assert young_interval(5.0, mtbf_minutes) == pytest.approx(young_minutes, abs=0.05)
+
+
+def test_intervals_are_unit_agnostic() -> None:
+    in_seconds = daly_interval(300.0, 6 * HOUR)
+    assert in_seconds / 60 == pytest.approx(daly_interval(5.0, 360.0), rel=1e-12)
+
+
+@pytest.mark.parametrize(("delta", "mtbf"), [(10.0, 5.0), (10.0, 4.0), (2.0, 1.0)])
+def test_daly_is_the_mtbf_once_a_save_costs_twice_the_mtbf(delta: float, mtbf: float) -> None:
+    assert daly_interval(delta, mtbf) == mtbf
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_intervals_reject_invalid_inputs(bad: float) -> None:
+    with pytest.raises(ValueError, match="delta"):
+        daly_interval(bad, 10.0)
+    with pytest.raises(ValueError, match="mtbf"):
+        young_interval(1.0, bad)
+
+
+# -- ledger ---------------------------------------------------------------------------------
+
+
+class Source(str, Enum):
+    REMOTE = "remote"
+
+
+def synthetic_ledger(path: Path) -> FailureLedger:
+    """Three runs: up 1 h then killed; up 2 h then killed; up 30 min, clean end. MTBF 1.75 h."""
+    ledger = FailureLedger(path)
+    ledger.record_run_start(0, wall_time=0.0)
+    ledger.record_interruption(
+        failed_at=HOUR,
+        last_step=3600,
+        recovered_step=3500,
+        source="memory",
+        recovery_seconds=4.0,
+        wall_time=HOUR + 60,
+    )
+    ledger.record_run_start(3500, wall_time=HOUR + 60)
+    ledger.record_interruption(
+        failed_at=3 * HOUR + 60,
+        last_step=10_800,
+        recovered_step=10_000,
+        source=Source.REMOTE,
+        recovery_seconds=30.5,
+        wall_time=3 * HOUR + 600,
+    )
+    ledger.record_run_start(10_000, wall_time=3 * HOUR + 600)
+    ledger.record_run_end(11_800, wall_time=3.5 * HOUR + 600)
+    return ledger
+
+
+def test_mtbf_is_uptime_over_interruptions(tmp_path: Path) -> None:
+    ledger = synthetic_ledger(tmp_path / "failures.jsonl")
+    assert ledger.mtbf_seconds() == pytest.approx((1 + 2 + 0.5) * HOUR / 2)
+
+
+def test_interruptions_are_read_back_with_steps_lost(tmp_path: Path) -> None:
+    ledger = synthetic_ledger(tmp_path / "failures.jsonl")
+    first, second = FailureLedger(ledger.path).interruptions()
+    assert first == Interruption(
+        wall_time=HOUR + 60,
+        failed_at=HOUR,
+        last_step=3600,
+        recovered_step=3500,
+        steps_lost=100,
+        source="memory",
+        recovery_seconds=4.0,
+    )
+    assert (second.steps_lost, second.source) == (800, "remote")
+
+
+def test_mtbf_counts_a_running_run_only_when_told_now(tmp_path: Path) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=0.0)
+    ledger.record_interruption(
+        failed_at=100.0, last_step=10, recovered_step=5, source="remote", recovery_seconds=1.0
+    )
+    ledger.record_run_start(5, wall_time=200.0)
+    assert ledger.mtbf_seconds() == 100.0
+    assert ledger.mtbf_seconds(now=500.0) == 400.0
+
+
+def test_mtbf_is_none_without_interruptions(tmp_path: Path) -> None:
+    ledger = FailureLedger(tmp_path / "missing" / "failures.jsonl")
+    assert ledger.interruptions() == []
+    assert ledger.mtbf_seconds() is None
+    ledger.record_run_start(0, wall_time=0.0)
+    ledger.record_run_end(100, wall_time=50.0)
+    assert ledger.mtbf_seconds(now=1e6) is None
+
+
+def test_a_run_with_an_unknown_end_counts_no_uptime(tmp_path: Path) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=0.0)
+    ledger.record_run_start(50, wall_time=1000.0)  # the first run's end was never recorded
+    ledger.record_interruption(
+        failed_at=1100.0, last_step=60, recovered_step=50, source="peer", recovery_seconds=2.0
+    )
+    assert ledger.mtbf_seconds() == 100.0
+
+
+def test_each_append_is_one_fsynced_json_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=1.0)  # file + directory entry
+    ledger.record_run_end(5, wall_time=2.0)
+    assert len(synced) == 3
+    lines = ledger.path.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"v": 1, "kind": "run_start", "wall_time": 1.0, "step": 0},
+        {"v": 1, "kind": "run_end", "wall_time": 2.0, "step": 5},
+    ]
+
+
+GOLDEN_V1 = (
+    '{"v": 1, "kind": "run_start", "wall_time": 1000.0, "step": 0}\n'
+    '{"v": 1, "kind": "interruption", "wall_time": 1500.0, "failed_at": 1400.0, '
+    '"last_step": 420, "recovered_step": 400, "steps_lost": 20, "source": "peer", '
+    '"recovery_seconds": 3.25}\n'
+    '{"v": 1, "kind": "run_start", "wall_time": 1500.0, "step": 400}\n'
+)
+
+
+def test_version_1_records_stay_readable(tmp_path: Path) -> None:
+    path = tmp_path / "failures.jsonl"
+    path.write_text(GOLDEN_V1, encoding="utf-8")
+    ledger = FailureLedger(path)
+    assert ledger.interruptions() == [Interruption(1500.0, 1400.0, 420, 400, 20, "peer", 3.25)]
+    assert ledger.mtbf_seconds() == 400.0
+
+
+@pytest.mark.parametrize(
+    "torn",
+    [b'{"v": 1, "kind": "interruption", "wall_ti', b"\x00" * 64, b"{"],
+    ids=["cut-record", "nul-bytes", "one-byte"],
+)
+def test_torn_last_line_is_skipped_then_cut_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, torn: bytes
+) -> None:
+    path = tmp_path / "failures.jsonl"
+    path.write_text(GOLDEN_V1, encoding="utf-8")
+    with path.open("ab") as file:
+        file.write(torn)
+    ledger = FailureLedger(path)
+    with caplog.at_level(logging.WARNING, logger="ckptpilot"):
+        assert len(ledger.interruptions()) == 1
+    assert "torn last line" in caplog.text
+
+    caplog.clear()
+    ledger.record_run_end(500, wall_time=2000.0)
+    assert path.read_text(encoding="utf-8") == (
+        GOLDEN_V1 + '{"v": 1, "kind": "run_end", "wall_time": 2000.0, "step": 500}\n'
+    )
+    assert "cutting off a torn last line" in caplog.text
+    caplog.clear()
+    assert ledger.mtbf_seconds() == 900.0
+    assert caplog.text == ""
+
+
+def test_complete_last_record_without_newline_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "failures.jsonl"
+    path.write_text(GOLDEN_V1.rstrip("\n"), encoding="utf-8")
+    ledger = FailureLedger(path)
+    assert ledger.mtbf_seconds(now=1600.0) == 500.0  # the last run_start was read
+    ledger.record_run_end(500, wall_time=1700.0)
+    assert path.read_text(encoding="utf-8").count("\n") == 4
+    assert ledger.mtbf_seconds() == 600.0
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", r"failures\.jsonl:2: not a JSON record"),
+        ('{"v": 2, "kind": "run_start"}', "not a version-1 ledger record"),
+        ('{"v": 1, "kind": "reboot", "wall_time": 1}', "unknown record kind 'reboot'"),
+        ('{"v": 1, "kind": "run_end", "step": 3}', "run_end record lacks wall_time"),
+    ],
+)
+def test_a_bad_line_before_the_end_is_an_error(tmp_path: Path, line: str, message: str) -> None:
+    lines = GOLDEN_V1.splitlines()
+    path = tmp_path / "failures.jsonl"
+    path.write_text("\n".join([lines[0], line, *lines[1:]]) + "\n", encoding="utf-8")
+    with pytest.raises(CheckpointFormatError, match=message):
+        FailureLedger(path).interruptions()
+
+
+def test_invalid_interruption_values_are_refused(tmp_path: Path) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    with pytest.raises(ValueError, match="recovery_seconds"):
+        ledger.record_interruption(
+            failed_at=1.0, last_step=1, recovered_step=0, source="remote", recovery_seconds=-1
+        )
+    with pytest.raises(ValueError, match="failed_at"):
+        ledger.record_interruption(
+            failed_at=math.nan, last_step=1, recovered_step=0, source="remote", recovery_seconds=1
+        )
+    assert not ledger.path.exists()
+
+
+def test_steps_lost_never_negative(tmp_path: Path) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    record = ledger.record_interruption(
+        failed_at=1.0, last_step=90, recovered_step=100, source="remote", recovery_seconds=1.0
+    )
+    assert record.steps_lost == 0
