@@ -12,8 +12,11 @@ and measures, in the same run and on the same disk:
 2. the stall of a synchronous ``torch.save`` of model + optimizer state dicts, with and
    without an ``os.fsync`` of the file (the pilot fsyncs what it writes);
 3. restore into fresh model/optimizer objects: ``pilot.restore()`` (which re-hashes the
-   archive before loading it) against ``torch.load`` + ``load_state_dict``; the page cache
-   is not dropped (that needs root), so both read files that were just written;
+   archive before loading it) against ``torch.load`` + ``load_state_dict``, each checked
+   bit for bit against the saved state. The page cache is not dropped (that needs root), so
+   both read files that were just written. The pilot's AdamW moments stay in a private
+   mapping of the archive (safetensors ``load_file``), so their copy is paid at the first
+   write, i.e. the next ``optimizer.step``, outside this timing;
 4. peak extra host memory of each save variant, each in a fresh subprocess: peak RSS
    (``ru_maxrss``) minus the RSS right after building model + optimizer. The high-water mark
    is reset after the build (``/proc/self/clear_refs``) so that the backward pass, whose
@@ -21,9 +24,13 @@ and measures, in the same run and on the same disk:
    started before the parent builds its own state because ``ru_maxrss`` of a freshly
    exec'ed process starts at the RSS of the process that spawned it.
 
-Times in the table are ratios baseline/pilot: above 1 means the pilot costs the training
-thread less. ``os.sync()`` runs (untimed) before every timed save so that write-back of an
-earlier measurement does not land in a later one.
+Ratios in the table are baseline/pilot: for times, above 1 means the pilot costs less.
+``os.sync()`` runs (untimed) before every timed save so that write-back of an earlier
+measurement does not land in a later one, and every save replaces the previous save's output
+of its variant (deleted untimed, before the save): each variant then writes into page cache
+freed by its previous save. On a VM whose memory the host backs lazily, writing
+into memory the guest never touched costs several times more (2-2.5 s/GB on the machine of
+bench/RESULTS.md), which would otherwise penalise whichever variant holds more files.
 
 Usage: ``.venv/bin/python bench/stall.py [--gb 1.0] [--dir DIR] [--repeats 3]``
 """
@@ -135,7 +142,8 @@ def make_pilot(policy_yaml: Path, run_dir: Path, state: State) -> CheckpointPilo
 
 
 def torch_save(state: State, path: Path, *, fsync: bool) -> float:
-    """Seconds a synchronous ``torch.save`` (optionally + fsync) blocks its caller."""
+    """Seconds a synchronous ``torch.save`` (optionally + fsync) blocks its caller; an
+    existing ``path`` is deleted first (untimed), so the save writes a new file."""
     model, opt = state
     path.unlink(missing_ok=True)
     os.sync()
@@ -150,11 +158,17 @@ def torch_save(state: State, path: Path, *, fsync: bool) -> float:
 
 def pilot_saves(state: State, policy_yaml: Path, run_dir: Path,
                 repeats: int) -> tuple[list[float], list[SaveRecord]]:
-    """Stall of each ``pilot.save()``, with the previous save persisted before the next."""
+    """Stall of each ``pilot.save()``, with the previous save persisted before the next.
+
+    The previous archive is deleted before each save (untimed), as ``torch_save`` deletes
+    its previous file, so that only the newest archive exists.
+    """
     stalls = []
     with make_pilot(policy_yaml, run_dir, state) as pilot:
         for _ in range(repeats):
             pilot.observe()  # a new step boundary: a save of an already saved step is a no-op
+            if pilot.saves:
+                shutil.rmtree(pilot.saves[-1].location)
             os.sync()
             t0 = time.perf_counter()
             started = pilot.save(reason="bench")
@@ -197,7 +211,8 @@ def child_main(variant: str, gb: float, workdir: Path) -> None:
     else:
         torch_save(state, workdir / "child-torch.pt", fsync=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"extra": peak - base, "state": state_nbytes(state)}))
+    # The peak may read a few KiB under ``base`` when memory was freed after measuring it.
+    print(json.dumps({"extra": max(0, peak - base)}))
 
 
 def peak_extra(variant: str, gb: float, workdir: Path) -> int:
@@ -271,14 +286,16 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
 
     durable = [s + r.persist_seconds for s, r in zip(stalls, records, strict=True)]
     rows = [
-        ("stall, first save (pilot allocates host buffers)", stalls[0], plain[0], seconds),
-        ("stall, steady state (median of saves 2+)", median(stalls[1:]), median(plain[1:]),
+        ("stall, first save (pilot allocates its host buffers)", stalls[0], median(plain),
          seconds),
-        ("stall vs torch.save + fsync (median)", median(stalls[1:]), median(synced), seconds),
-        ("save until durable: stall + background persist vs torch.save + fsync (median)",
-         median(durable[1:]), median(synced), seconds),
+        ("stall, later saves (pilot reuses pooled buffers)", median(stalls[1:]), median(plain),
+         seconds),
+        ("stall, later saves, vs torch.save + fsync", median(stalls[1:]), median(synced),
+         seconds),
+        ("save until durable (pilot: stall + background persist, later saves) vs "
+         "torch.save + fsync", median(durable[1:]), median(synced), seconds),
         ("bytes written per save", float(records[-1].bytes), float(torch_bytes), gigabytes),
-        ("restore into fresh objects, warm page cache (median)", median(restores_pilot),
+        ("restore into fresh objects, warm page cache", median(restores_pilot),
          median(restores_torch), seconds),
         ("peak extra host RSS during a save (fresh process)", float(extra_pilot),
          float(extra_torch), gigabytes),
@@ -287,7 +304,8 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     print()
     print(f"baseline = torch.save({{'model': ..., 'optimizer': ...}}) to the same disk "
           f"(without fsync unless the row says so); torch.load(weights_only=True) + "
-          f"load_state_dict for restore. Repeats: {args.repeats}.")
+          f"load_state_dict for restore. Repeats: {args.repeats}; times are medians over them "
+          f"(pilot 'later saves': over saves 2+).")
     print("page cache: nothing dropped (no root); restores read files that were just written.")
     print()
     print(table(rows))

@@ -1,33 +1,125 @@
-"""Telemetry of checkpointing: TensorBoard scalars for every completed save.
+"""Telemetry of checkpointing: the decision log (JSON lines) and TensorBoard scalars.
 
-Owns the TensorBoard writer and nothing else. Called only from the pilot's background writer
-thread, so importing TensorBoard (about a second) and writing events never touch the training
-thread. With ``observability.tensorboard: false`` every call is a no-op.
+Owns one background thread and the files it writes; nothing else. The training thread only
+enqueues plain values (``decision`` costs a deque append), so importing TensorBoard (about a
+second), building protobufs and writing files never run on it. ``close()`` drains the queue.
+
+Every decision goes to ``decisions_rank_{rank:05d}.jsonl``. TensorBoard gets
+``checkpoint/score``, ``checkpoint/interval``, ``checkpoint/level`` (0 heartbeat only, 1 pulse,
+2 organ) and the three signals (``checkpoint/signal_loss`` …) whenever one of them changes or
+a save happens — a flat curve costs nothing — and ``checkpoint/save_seconds``,
+``checkpoint/stall_seconds``, ``checkpoint/bytes`` for every completed save.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+from ckptpilot.scheduler.decision import CheckpointDecision
+
+log = logging.getLogger("ckptpilot")
+
 
 class Telemetry:
-    def __init__(self, log_dir: Path, *, tensorboard: bool) -> None:
-        self._log_dir = log_dir
-        self._enabled = tensorboard
+    def __init__(self, run_dir: Path, *, rank: int, tensorboard: bool,
+                 decision_log: bool) -> None:
+        self._tb_dir = run_dir / "tensorboard"
+        self._log_path = run_dir / f"decisions_rank_{rank:05d}.jsonl"
+        self._tensorboard = tensorboard
+        self._decision_log = decision_log
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Event()
+        self._stop = False
         self._writer: Any = None
+        self._log_file: Any = None
+        self._last_scalars: tuple[float, ...] | None = None
+        self._thread: threading.Thread | None = None
+        if tensorboard or decision_log:
+            self._thread = threading.Thread(target=self._run, name="ckptpilot-telemetry",
+                                            daemon=True)
+            self._thread.start()
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        if not self._enabled:
+    # -- any thread ------------------------------------------------------------------------
+
+    def decision(self, decision: CheckpointDecision) -> None:
+        if self._thread is not None:
+            self._queue.append(("decision", decision))
+
+    def save(self, step: int, values: dict[str, float]) -> None:
+        if self._tensorboard:
+            self._queue.append(("save", (step, values)))
+            self._wake.set()
+
+    def close(self) -> None:
+        if self._thread is None:
             return
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+
+    # -- telemetry thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            stopping = self._stop
+            try:
+                self._drain()
+            except OSError as e:
+                log.error("telemetry: cannot write to %s: %s", self._log_path.parent, e)
+            if stopping:
+                break
+        if self._log_file is not None:
+            self._log_file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def _drain(self) -> None:
+        while self._queue:
+            kind, item = self._queue.popleft()
+            if kind == "decision":
+                self._write_decision(item)
+            else:
+                step, values = item
+                for tag, value in values.items():
+                    self._tb().add_scalar(tag, value, global_step=step)
+        if self._log_file is not None:
+            self._log_file.flush()
+
+    def _write_decision(self, d: CheckpointDecision) -> None:
+        level = d.level.rank if d.save and d.level is not None else 0
+        if self._decision_log:
+            if self._log_file is None:
+                self._log_file = open(self._log_path, "a")  # noqa: SIM115 - owned by the thread
+            self._log_file.write(json.dumps({
+                "step": d.step, "save": d.save, "level": d.level.value if d.level else None,
+                "interval": d.interval, "score": round(d.score, 6), "signals": d.signals,
+                "retention_class": d.retention_class.value, "reason": d.reason,
+            }) + "\n")
+        if not self._tensorboard:
+            return
+        sig = d.signals
+        scalars = (d.score, float(d.interval), float(level), sig.get("loss", 0.0),
+                   sig.get("grad", 0.0), sig.get("system", 0.0))
+        if scalars == self._last_scalars:
+            return
+        self._last_scalars = scalars
+        tags = ("checkpoint/score", "checkpoint/interval", "checkpoint/level",
+                "checkpoint/signal_loss", "checkpoint/signal_grad", "checkpoint/signal_system")
+        tb = self._tb()
+        for tag, value in zip(tags, scalars, strict=True):
+            tb.add_scalar(tag, value, global_step=d.step)
+
+    def _tb(self) -> Any:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self._log_dir))
-        for tag, value in values.items():
-            self._writer.add_scalar(tag, value, global_step=step)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            self._writer = SummaryWriter(log_dir=str(self._tb_dir))
+        return self._writer

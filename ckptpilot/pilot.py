@@ -1,31 +1,41 @@
 """CheckpointPilot: the one object a training loop talks to.
 
-Data path of one save: ``observe`` (training thread) decides → ``state.capture`` copies the
-complete state into host memory (the only cost training pays) → a background writer thread
-encodes, writes and publishes the archive on the remote tier. Recovery runs the path backwards.
+Data path of one save: ``observe`` (training thread) measures the signals → the adaptive
+scheduler decides → ``state.capture`` copies the complete state into host memory (the only
+cost training pays) → a background writer thread writes and publishes the archive on the
+remote tier. Recovery runs the path backwards. Heartbeats (level 0) are written every
+``levels.heartbeat.every`` steps into a memory-mapped ring, flushed by their own thread.
 
 Threading and lifecycle:
 
-1. construct on the training thread (registers a post-step hook on the optimizer);
+1. construct on the training thread (registers a post-step hook on the optimizer, starts the
+   health-probe, telemetry and heartbeat-flush threads);
 2. ``restore()`` once, before the loop;
 3. per step, ``observe()`` after ``optimizer.step()``, ``lr_scheduler.step()`` and after the
    data cursor moved — that is the step boundary at which every part of the state belongs to
    the same step;
-4. ``close()`` (or leave the ``with`` block): waits for every pending save and surfaces errors.
+4. ``close()`` (or leave the ``with`` block): waits for every pending save, surfaces errors,
+   records a clean end in the failure ledger.
 
-Only the writer thread touches storage. At most ``async.max_pending`` snapshots exist at once;
-a save requested while that many are in flight waits (back-pressure) rather than allocating
-more host memory. An exception in the writer is raised on the training thread at the next
-``observe``/``save``/``close`` as ``CheckpointWriteError``; it is never swallowed.
+Only the writer thread touches checkpoint storage. At most ``async.max_pending`` snapshots
+exist at once; a save requested while that many are in flight waits (back-pressure) rather
+than allocating more host memory. An exception in the writer is raised on the training thread
+at the next ``observe``/``save``/``close`` as ``CheckpointWriteError``; it is never swallowed.
+
+Distributed runs: every rank runs a pilot. The ranks agree on each decision through one tiny
+non-blocking collective per step (element-wise max of the signals, started at step t and
+consumed at step t+1), so all ranks save at the same global steps without a barrier.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import statistics
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,16 +44,26 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptpilot.errors import CheckpointFormatError, CheckpointWriteError, NoCheckpointError
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
+from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
+from ckptpilot.scheduler.decision import CheckpointDecision, Level
+from ckptpilot.scheduler.health import GpuHealthProvider, HealthMonitor
+from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
+from ckptpilot.scheduler.ledger import FailureLedger
 from ckptpilot.state import HostBufferPool, Snapshot, Stateful, TrainingComponents, apply, capture
 from ckptpilot.storage.archive import list_archives, read_organ, write_organ
 from ckptpilot.tiers.remote import RemoteTier
 
 log = logging.getLogger("ckptpilot")
+
+_COST_KEYS = ("save_seconds", "mtbf_seconds", "step_seconds")
+_STEP_TIME_ALPHA = 0.05
+_FROM_POLICY: Any = object()
 
 
 class RecoverySource(str, Enum):
@@ -61,7 +81,8 @@ class SkippedCheckpoint:
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    """What ``restore()`` did. ``steps_lost`` is None until heartbeats tell how far a run got."""
+    """What ``restore()`` did. ``steps_lost`` compares the dead run's newest heartbeat with the
+    recovered step (None when no heartbeat of an earlier run exists)."""
 
     source: RecoverySource
     step: int
@@ -80,6 +101,7 @@ class SaveRecord:
     step: int
     level: str
     reason: str
+    retention_class: str
     stall_seconds: float
     persist_seconds: float
     bytes: int
@@ -96,14 +118,16 @@ class CheckpointPilot:
     """Keeps a training run resumable: decides when to save, saves off-thread, restores.
 
     ``extras`` is a dict the caller may fill with JSON-able values (or tensors); it is saved
-    with every checkpoint and replaced by the stored one on ``restore()``.
+    with every checkpoint and replaced by the stored one on ``restore()``. ``gpu_health``
+    replaces the NVML provider of the health probes (another accelerator's telemetry).
     """
 
     def __init__(self, policy: Policy | str | os.PathLike[str] | None = None, *,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Stateful | None = None, scaler: Stateful | None = None,
                  data_state: Stateful | None = None, run_dir: str | os.PathLike[str] | None = None,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None,
+                 gpu_health: GpuHealthProvider | None = _FROM_POLICY) -> None:
         if isinstance(policy, Policy):
             self.policy = policy.with_run_dir(run_dir) if run_dir is not None else policy
         else:
@@ -117,10 +141,12 @@ class CheckpointPilot:
                                              lr_scheduler=lr_scheduler, scaler=scaler,
                                              data_state=data_state)
         self.remote = RemoteTier(self.policy.tiers.remote.url)
+        self.scheduler = AdaptiveCheckpointScheduler(self.policy.scheduler, self.policy.retention)
         self.extras: dict[str, Any] = {}
         self.step = 0
         self.epoch: int | None = None
-        self.last_loss: Any = None
+        self.last_loss: float | None = None
+        self.last_decision: CheckpointDecision | None = None
         self.last_recovery: RecoveryReport | None = None
         self.saves: list[SaveRecord] = []
 
@@ -129,25 +155,49 @@ class CheckpointPilot:
         self._pool = HostBufferPool(max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptpilot-writer")
         self._inflight: deque[tuple[int, Future[SaveRecord]]] = deque()
-        self._telemetry = Telemetry(self.run_dir / "tensorboard",
-                                    tensorboard=self.policy.observability.tensorboard)
+        obs = self.policy.observability
+        self._telemetry = Telemetry(self.run_dir, rank=self.rank, tensorboard=obs.tensorboard,
+                                    decision_log=obs.decision_log)
+        hb_path = self.run_dir / f"heartbeat_rank_{self.rank:05d}.ring"
+        self._previous_heartbeat: HeartbeatRecord | None = read_latest(hb_path)
+        self._heartbeat = HeartbeatWriter(hb_path)
+        self._ledger = FailureLedger(self.run_dir / f"ledger_rank_{self.rank:05d}.jsonl")
+        self._run_started = False
+        self._health: HealthMonitor | None = None
+        if self.policy.scheduler.weights.system > 0:
+            self._health = (HealthMonitor(self.run_dir, self.policy.scheduler.system)
+                            if gpu_health is _FROM_POLICY else
+                            HealthMonitor(self.run_dir, self.policy.scheduler.system,
+                                          provider=gpu_health))
+            self._health.start()
+        self._distributed = (self.world_size > 1 and torch.distributed.is_available()
+                             and torch.distributed.is_initialized())
+        self._agree_buffer: torch.Tensor | None = None
+        self._agree_work: Any = None
+        self._stalls: deque[float] = deque(maxlen=16)
+        self._mtbf_seconds: float | None = None
+        self._step_seconds: float | None = None
+        self._last_observe: float | None = None
+        self._non_finite_steps = 0
         self._last_save_step: int | None = None
         self._base_step = 0
         self._optimizer_steps = 0
         self._observed = False
         self._closed = False
         self._grad_norm: torch.Tensor | None = None
+        self._grad_probe_pending = False
         self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                       if optimizer is not None else None)
 
     # -- training thread -------------------------------------------------------------------
 
     def observe(self, loss: Any = None, *, step: int | None = None,
-                epoch: int | None = None) -> bool:
-        """Mark a step boundary; returns True when a save was started at this step.
+                epoch: int | None = None) -> CheckpointDecision:
+        """Mark a step boundary; returns the scheduler's decision for this step.
 
         ``step`` defaults to one more than the previous step (the pilot counts completed
-        iterations; after ``restore()`` it continues from the restored step).
+        iterations; after ``restore()`` it continues from the restored step). ``loss`` may be
+        a float or a one-element tensor (read with ``float()``, which synchronises a GPU).
         """
         self._check_open()
         self._raise_background_errors()
@@ -157,18 +207,28 @@ class CheckpointPilot:
         self.step = step
         if epoch is not None:
             self.epoch = epoch
-        self.last_loss = loss
-        if self._interval_due():
-            return self._save(level="organ", reason="interval")
-        return False
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().item()
+        self.last_loss = None if loss is None else float(loss)
+        self._time_step()
+        decision = self._decide()
+        if step % self.policy.levels.heartbeat.every == 0:
+            self._write_heartbeat()
+        if decision.save and decision.level is not None:
+            self._save(decision.level.value, decision.reason, decision.retention_class.value)
+        return decision
 
     def save(self, level: str = "organ", reason: str = "manual") -> bool:
         """Force a save of the current step; False if this step is already saved."""
         self._check_open()
         self._raise_background_errors()
-        if level != "organ":
-            raise ValueError(f"level {level!r} is not available yet; use 'organ'")
-        return self._save(level=level, reason=reason)
+        lvl = Level(level)
+        if lvl is Level.HEARTBEAT:
+            raise ValueError("a heartbeat is written every step; force a 'pulse' or 'organ'")
+        if not self._save(lvl.value, reason, "important"):
+            return False
+        self.scheduler.note_save(self.step, lvl)
+        return True
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -182,18 +242,87 @@ class CheckpointPilot:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
             self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            self._grad_probe_pending = self._grad_norm is not None
         # Without observe() the hook is the step boundary. The first optimizer step cannot
-        # tell the two modes apart, so hook-time saves start at the second one.
+        # tell the two modes apart, so hook-time decisions start at the second one.
         if not self._observed:
             self.step = self._base_step + self._optimizer_steps
-            if self._optimizer_steps >= 2 and self._interval_due():
-                self._save(level="organ", reason="interval (optimizer hook)")
+            if self._optimizer_steps >= 2:
+                decision = self._decide()
+                if decision.save and decision.level is not None:
+                    self._save(decision.level.value, decision.reason,
+                               decision.retention_class.value)
 
-    def _interval_due(self) -> bool:
-        since = self.step - (self._last_save_step or 0)
-        return since >= self.policy.scheduler.base_interval
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_observe is not None:
+            dt = now - self._last_observe
+            self._step_seconds = dt if self._step_seconds is None else (
+                _STEP_TIME_ALPHA * dt + (1 - _STEP_TIME_ALPHA) * self._step_seconds)
+        self._last_observe = now
 
-    def _save(self, *, level: str, reason: str) -> bool:
+    def _decide(self) -> CheckpointDecision:
+        if not self._run_started:
+            self._ledger.record_run_start(self._base_step)
+            self._run_started = True
+        grad = None
+        if self._grad_probe_pending:
+            grad = float(self._grad_norm)  # type: ignore[arg-type]
+            self._grad_probe_pending = False
+        system = self._health.snapshot() if self._health is not None else None
+        local = self.scheduler.measure(self.step, self.last_loss, grad, system)
+        costs = {"save_seconds": statistics.median(self._stalls) if self._stalls else None,
+                 "mtbf_seconds": self._mtbf_seconds, "step_seconds": self._step_seconds}
+        signals, costs = self._agree(local, costs) if self._distributed else (local, costs)
+        self.scheduler.set_cost_model(**costs)
+        decision = self.scheduler.decide_from(self.step, signals)
+        self.last_decision = decision
+        self._telemetry.decision(decision)
+        if decision.non_finite:
+            self._non_finite_steps += 1
+            if self._non_finite_steps == 1 or self._non_finite_steps % 100 == 0:
+                log.warning("%s (%d non-finite steps so far); no checkpoint is taken of it",
+                            decision.reason, self._non_finite_steps)
+        return decision
+
+    def _agree(self, local: Mapping[str, float], costs: Mapping[str, float | None]
+               ) -> tuple[dict[str, float], dict[str, float | None]]:
+        """Element-wise max over ranks, one step late: start this step's reduction, use the
+        previous one's result (all zeros right after a start or restore, on every rank)."""
+        previous = self._agree_buffer
+        if self._agree_work is not None:
+            self._agree_work.wait()
+        values = [local[k] for k in SIGNAL_KEYS] + [
+            -1.0 if costs[k] is None else float(costs[k]) for k in _COST_KEYS]  # type: ignore[arg-type]
+        self._agree_buffer = torch.tensor(values, dtype=torch.float64)
+        self._agree_work = torch.distributed.all_reduce(
+            self._agree_buffer, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        agreed = previous.tolist() if previous is not None else [0.0] * len(values)
+        n = len(SIGNAL_KEYS)
+        signals = dict(zip(SIGNAL_KEYS, agreed[:n], strict=True))
+        return signals, {k: (v if v > 0 else None)
+                         for k, v in zip(_COST_KEYS, agreed[n:], strict=True)}
+
+    def _write_heartbeat(self) -> None:
+        c = self.components
+        record: dict[str, Any] = {"step": self.step, "epoch": self._current_epoch(),
+                                  "loss": self.last_loss}
+        if c.data_state is not None:
+            record["cursor"] = c.data_state.state_dict()
+        if c.optimizer is not None:
+            record["lr"] = [float(g["lr"]) for g in c.optimizer.param_groups]
+        if c.lr_scheduler is not None:
+            record["lr_scheduler_step"] = getattr(c.lr_scheduler, "last_epoch", None)
+        if c.scaler is not None:
+            record["scaler"] = c.scaler.state_dict()
+        record["rng_crc32"] = {
+            "torch": zlib.crc32(torch.get_rng_state().numpy()),
+            "python": hash(random.getstate()) & 0xFFFFFFFF,
+            "numpy": zlib.crc32(np.random.get_state(legacy=False)["state"]["key"]),
+        }
+        self._heartbeat.write(record)
+
+    def _save(self, level: str, reason: str, retention_class: str) -> bool:
         if self._last_save_step == self.step:
             return False
         t0 = time.perf_counter()
@@ -206,7 +335,9 @@ class CheckpointPilot:
             self._slots.release()
             raise
         stall = time.perf_counter() - t0
-        future = self._executor.submit(self._persist, snapshot, level, reason, stall)
+        self._stalls.append(stall)
+        future = self._executor.submit(self._persist, snapshot, level, reason, retention_class,
+                                       stall)
         self._inflight.append((self.step, future))
         self._last_save_step = self.step
         return True
@@ -232,18 +363,20 @@ class CheckpointPilot:
 
     # -- writer thread ---------------------------------------------------------------------
 
-    def _persist(self, snapshot: Snapshot, level: str, reason: str, stall: float) -> SaveRecord:
+    def _persist(self, snapshot: Snapshot, level: str, reason: str, retention_class: str,
+                 stall: float) -> SaveRecord:
         try:
             t0 = time.perf_counter()
             written = write_organ(self.remote, snapshot, level=level, reason=reason)
             seconds = time.perf_counter() - t0
             record = SaveRecord(step=snapshot.step, level=level, reason=reason,
-                                stall_seconds=stall, persist_seconds=seconds,
-                                bytes=written.bytes, location=written.location)
+                                retention_class=retention_class, stall_seconds=stall,
+                                persist_seconds=seconds, bytes=written.bytes,
+                                location=written.location)
             self.saves.append(record)
-            log.info("saved %s step %d: %.1f MB, stall %.1f ms, persisted in %.2f s",
-                     level, snapshot.step, written.bytes / 1e6, stall * 1e3, seconds)
-            self._telemetry.scalars(snapshot.step, {
+            log.info("saved %s step %d: %.1f MB, stall %.1f ms, persisted in %.2f s (%s)",
+                     level, snapshot.step, written.bytes / 1e6, stall * 1e3, seconds, reason)
+            self._telemetry.save(snapshot.step, {
                 "checkpoint/save_seconds": seconds,
                 "checkpoint/stall_seconds": stall,
                 "checkpoint/bytes": float(written.bytes),
@@ -264,7 +397,9 @@ class CheckpointPilot:
 
         A checkpoint that fails verification is skipped and reported in
         ``last_recovery.skipped``; if checkpoints exist but none verifies, this raises rather
-        than silently restarting the run from scratch.
+        than silently restarting the run from scratch. When the previous run of this
+        ``run_dir`` died (its last ledger record is a start, not a clean end), the
+        interruption goes into the failure ledger, which feeds the Young–Daly bound.
         """
         self._check_open()
         self.flush()
@@ -289,14 +424,11 @@ class CheckpointPilot:
             restored_extras = apply(self.components, loaded.meta, loaded.tensor)
             self.extras.clear()
             self.extras.update(restored_extras)
-            self.step = self._base_step = ckpt_step
-            self._optimizer_steps = 0
             self.epoch = loaded.meta.get("epoch")
-            self._last_save_step = ckpt_step
-            self.last_recovery = RecoveryReport(
-                source=RecoverySource.REMOTE, step=ckpt_step,
-                level=loaded.manifest["level"], seconds=time.perf_counter() - t0,
-                steps_lost=None, location=loaded.location, skipped=tuple(skipped))
+            level = loaded.manifest["level"]
+            self._after_restore(ckpt_step, Level(level))
+            self.last_recovery = self._report(RecoverySource.REMOTE, ckpt_step, level, t0,
+                                              loaded.location, skipped)
             log.info("restored step %d from %s in %.2f s", ckpt_step, loaded.location,
                      self.last_recovery.seconds)
             return ckpt_step
@@ -304,10 +436,33 @@ class CheckpointPilot:
             raise NoCheckpointError(
                 f"none of the {len(skipped)} checkpoints in {self.remote.url} verifies; "
                 f"newest: {skipped[0].reason}")
-        self.last_recovery = RecoveryReport(
-            source=RecoverySource.NONE, step=0, level=None, seconds=time.perf_counter() - t0,
-            steps_lost=None, location=None)
+        self._after_restore(0, None)
+        self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
+
+    def _after_restore(self, step: int, level: Level | None) -> None:
+        self.step = self._base_step = step
+        self._optimizer_steps = 0
+        self._last_save_step = step
+        if level is not None:
+            self.scheduler.note_save(step, level)
+
+    def _report(self, source: RecoverySource, step: int, level: str | None, t0: float,
+                location: str | None, skipped: list[SkippedCheckpoint]) -> RecoveryReport:
+        seconds = time.perf_counter() - t0
+        hb = self._previous_heartbeat
+        steps_lost = None
+        if hb is not None and hb.step is not None:
+            steps_lost = max(0, hb.step - step)
+            if self._ledger.last_kind() == "run_start":
+                self._ledger.record_interruption(
+                    failed_at=hb.wall_time, last_step=hb.step, recovered_step=step,
+                    source=source.value, recovery_seconds=seconds)
+        self._ledger.record_run_start(step)
+        self._run_started = True
+        self._mtbf_seconds = self._ledger.mtbf_seconds()
+        return RecoveryReport(source=source, step=step, level=level, seconds=seconds,
+                              steps_lost=steps_lost, location=location, skipped=tuple(skipped))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -327,7 +482,14 @@ class CheckpointPilot:
             self.flush()
         finally:
             self._executor.shutdown(wait=True)
+            if self._agree_work is not None:
+                self._agree_work.wait()
+            self._heartbeat.close()
+            if self._health is not None:
+                self._health.stop()
             self._telemetry.close()
+            if self._run_started:
+                self._ledger.record_run_end(self.step)
 
     def __enter__(self) -> CheckpointPilot:
         return self
@@ -342,4 +504,7 @@ class CheckpointPilot:
             "saves": len(self.saves),
             "bytes": sum(r.bytes for r in self.saves),
             "median_stall_seconds": statistics.median(stalls) if stalls else None,
+            "non_finite_steps": self._non_finite_steps,
+            "interval": self.last_decision.interval if self.last_decision else None,
+            "step_seconds": self._step_seconds,
         }

@@ -147,3 +147,26 @@ def test_uncheckpointable_dtype_is_named() -> None:
                     meta={"rank": 0, "world_size": 1})
     with pytest.raises(CheckpointFormatError, match=r"model/c: dtype torch\.complex64"):
         list(archive._safetensors_chunks(snap.tensors))
+
+
+def test_loaded_tensors_own_their_memory_and_are_aligned(tmp_path: Path) -> None:
+    tier = RemoteTier(str(tmp_path / "ckpt"))
+    snap = snapshot()
+    name = archive.write_organ(tier, snap).name
+    loaded = archive.read_organ(tier, name)
+    for t in loaded.tensors.values():
+        assert t.data_ptr() % t.element_size() == 0
+    tier.remove(name)  # nothing may still map or read the file
+    for k, v in snap.tensors.items():
+        assert torch.equal(loaded.tensors[k].reshape(-1).view(torch.uint8),
+                           v.reshape(-1).view(torch.uint8)), k
+
+
+def test_a_header_claiming_more_than_the_file_holds_is_refused() -> None:
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 20, 1 << 18],
+                               "data_offsets": [0, 1 << 40]}}).encode()
+    buf = bytearray(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    with pytest.raises(CheckpointFormatError, match=r"w: header claims 1099511627776 bytes"):
+        archive.parse_safetensors(buf, "x")

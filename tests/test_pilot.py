@@ -27,7 +27,9 @@ def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: boo
     cfg = tmp_path / "policy.yaml"
     cfg.write_text(textwrap.dedent(f"""\
         scheduler: {{base_interval: {interval}, min_interval: 1, max_interval: 100000,
-                    grad: {{probe_every: 2}}}}
+                    grad: {{probe_every: 2}}, young_daly: false,
+                    weights: {{loss: 1.0, grad: 0.0, system: 0.0}},
+                    loss: {{slope_threshold: 1000.0}}}}
         async: {{max_pending: {max_pending}}}
         observability: {{tensorboard: {str(tb).lower()}, decision_log: false}}
         """))
@@ -74,14 +76,15 @@ def test_saves_on_the_base_interval_and_restores_the_newest(tmp_path: Path) -> N
     job.pilot.close()
     assert job.published() == [5, 10]
     assert [r.step for r in job.pilot.saves] == [5, 10]
-    assert all(r.bytes > 0 and r.level == "organ" for r in job.pilot.saves)
+    assert all(r.bytes > 0 for r in job.pilot.saves)
+    assert [r.level for r in job.pilot.saves] == ["pulse", "pulse"]  # organ_every: 10
     expected = {k: v.clone() for k, v in job.model.state_dict().items()}
 
     again = Job(tmp_path, interval=5)
     assert again.pilot.restore() == 10
     rec = again.pilot.last_recovery
     assert rec is not None and rec.source == "remote" and rec.step == 10
-    assert rec.level == "organ" and rec.location is not None and rec.location.endswith(
+    assert rec.level == "pulse" and rec.location is not None and rec.location.endswith(
         "step_00000010_rank_00000")
     assert again.sampler.state_dict()["position"] == 80 % 64 and again.sampler.epoch == 1
     assert again.sched.last_epoch == 10

@@ -22,7 +22,11 @@ pytestmark = pytest.mark.crash
 def _config(tmp: Path) -> Path:
     cfg = tmp / "policy.yaml"
     cfg.write_text(
-        f"scheduler: {{base_interval: {INTERVAL}, min_interval: 1, max_interval: 500}}\n"
+        # A fixed interval, so the kill points below fall between known saves: the loss
+        # signal cannot fire, the others weigh nothing, no Young-Daly cap.
+        f"scheduler: {{base_interval: {INTERVAL}, min_interval: 1, max_interval: 500,\n"
+        "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
+        "  loss: {slope_threshold: 1000.0}}\n"
         "observability: {tensorboard: false, decision_log: false}\n")
     return cfg
 

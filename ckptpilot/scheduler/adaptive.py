@@ -138,11 +138,13 @@ class AdaptiveCheckpointScheduler:
     def measure(
         self,
         step: int,
-        loss: float,
+        loss: float | None,
         grad_norm: float | None = None,
         system: SystemHealth | None = None,
     ) -> dict[str, float]:
         """Update the trackers with this rank's values and return its signals.
+
+        ``loss=None`` (a loop that reports no loss) leaves the loss signal where it was.
 
         ``grad_norm`` is a probe: pass it only on the steps where it was measured (every
         ``grad.probe_every`` optimizer steps), ``None`` otherwise. ``system=None`` means no
@@ -153,7 +155,7 @@ class AdaptiveCheckpointScheduler:
         out of the trackers).
         """
         problem = None
-        if not self._loss.update(loss):
+        if loss is not None and not self._loss.update(loss):
             problem = f"loss ({float(loss)})"
         if grad_norm is not None and not self._grad.update(grad_norm):
             grad_problem = f"grad norm ({float(grad_norm)})"

@@ -164,6 +164,14 @@ class FailureLedger:
         self._append({"kind": "interruption", **dataclasses.asdict(record)})
         return record
 
+    def last_kind(self) -> str | None:
+        """Kind of the newest record (``run_start``/``run_end``/``interruption``), None if empty.
+
+        ``run_start`` as the newest record means the run it started never closed cleanly.
+        """
+        records = self._records()
+        return records[-1]["kind"] if records else None
+
     def interruptions(self) -> list[Interruption]:
         """Every recorded interruption, oldest first."""
         return [

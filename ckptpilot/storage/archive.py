@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 import time
@@ -25,7 +26,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
@@ -83,6 +83,58 @@ class LoadedArchive:
                 f"{TENSORS_FILE}") from None
 
 
+_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+MAX_HEADER_BYTES = 100 << 20
+
+
+def check_safetensors_header(header: Mapping[str, Any], data_bytes: int,
+                             where: str) -> None:
+    """Reject a header whose tensors do not fit the data that is really there.
+
+    A hostile or damaged header (a "1 TB tensor", overlapping ranges) is refused before
+    anything is allocated for it.
+    """
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _TORCH_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        if dtype is None:
+            raise CheckpointFormatError(f"{where}: {name}: unknown or missing dtype")
+        begin, end = info["data_offsets"]
+        count = math.prod(int(d) for d in info["shape"])
+        width = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data_bytes or end - begin != count * width:
+            raise CheckpointFormatError(
+                f"{where}: {name}: header claims {count * width} bytes at [{begin}, {end}) "
+                f"but the file holds {data_bytes} data bytes")
+
+
+def parse_safetensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
+    """Tensors as views of ``buf`` (no copy): a safetensors file already read into memory."""
+    if len(buf) < 8:
+        raise CheckpointFormatError(f"{where}: shorter than a safetensors header")
+    (n,) = struct.unpack_from("<Q", buf)
+    if n > MAX_HEADER_BYTES or 8 + n > len(buf):
+        raise CheckpointFormatError(f"{where}: header claims {n} bytes, file has {len(buf)}")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{where}: header is not valid JSON ({e})") from e
+    check_safetensors_header(header, len(buf) - 8 - n, where)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _TORCH_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        if end == begin:
+            tensors[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=8 + n + begin)
+        tensors[name] = flat.view(dtype).reshape(info["shape"])
+    return tensors
+
+
 def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -90,8 +142,11 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryview | bytes]:
     """Yield a safetensors file piece by piece, straight from the tensors' own memory."""
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    # Widest elements first: every tensor then starts at a multiple of its element size,
+    # so a reader can view the bytes in place without unaligned access.
+    ordered = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
     offset = 0
-    for name, t in tensors.items():
+    for name, t in ordered:
         dtype = _SAFETENSORS_DTYPES.get(t.dtype)
         if dtype is None:
             raise CheckpointFormatError(f"{name}: dtype {t.dtype} cannot be stored")
@@ -104,7 +159,7 @@ def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryv
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     yield struct.pack("<Q", len(raw)) + raw
-    for t in tensors.values():
+    for _, t in ordered:
         view = _byte_view(t)
         for start in range(0, len(view), _CHUNK_BYTES):
             yield view[start:start + _CHUNK_BYTES]
@@ -194,37 +249,56 @@ def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
     return manifest
 
 
+def _check_file(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, Any]) -> str:
+    rel = f"{name}/{fname}"
+    if not tier.exists(rel):
+        raise CheckpointFormatError(f"{tier.path(rel)}: missing")
+    size = tier.size(rel)
+    if size != rec["bytes"]:
+        raise CheckpointFormatError(
+            f"{tier.path(rel)}: {size} bytes, manifest says {rec['bytes']} (truncated?)")
+    return rel
+
+
 def verify_organ(tier: RemoteTier, name: str) -> dict[str, Any]:
-    """Re-hash every file of the archive against its manifest; returns the manifest."""
+    """Re-hash every file of the archive against its manifest (streaming, nothing kept)."""
     manifest = read_manifest(tier, name)
     for fname, rec in manifest["files"].items():
-        rel = f"{name}/{fname}"
-        if not tier.exists(rel):
-            raise CheckpointFormatError(f"{tier.path(rel)}: missing")
-        size, sha = tier.digest(rel)
-        if size != rec["bytes"]:
-            raise CheckpointFormatError(
-                f"{tier.path(rel)}: {size} bytes, manifest says {rec['bytes']} (truncated?)")
+        rel = _check_file(tier, name, fname, rec)
+        _, sha = tier.digest(rel)
         if sha != rec["sha256"]:
             raise IntegrityError(tier.path(rel), rec["sha256"], sha)
     return manifest
 
 
+def _read_verified(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, Any]
+                   ) -> bytearray:
+    """The file's bytes, read once and checked against the manifest's size and SHA256."""
+    rel = _check_file(tier, name, fname, rec)
+    buf = tier.read_into(rel, rec["bytes"])
+    sha = hashlib.sha256(buf).hexdigest()
+    if sha != rec["sha256"]:
+        raise IntegrityError(tier.path(rel), rec["sha256"], sha)
+    return buf
+
+
 def read_organ(tier: RemoteTier, name: str) -> LoadedArchive:
-    """Verify and load an archive; raises ``CheckpointFormatError`` instead of half-loading."""
-    manifest = verify_organ(tier, name)
+    """Verify and load an archive; raises ``CheckpointFormatError`` instead of half-loading.
+
+    Each file is read exactly once into memory the returned tensors own (views of one buffer):
+    nothing stays mapped to the file, so a later change or removal of the file cannot reach
+    the restored state.
+    """
+    manifest = read_manifest(tier, name)
     location = tier.path(name)
-    rel = f"{name}/{TENSORS_FILE}"
+    files = manifest["files"]
+    for required in (TENSORS_FILE, STATE_FILE):
+        if required not in files:
+            raise CheckpointFormatError(f"{location}: manifest lists no {required}")
+    tensors = parse_safetensors(_read_verified(tier, name, TENSORS_FILE, files[TENSORS_FILE]),
+                                tier.path(name, TENSORS_FILE))
     try:
-        local = tier.local_path(rel)
-        if local is not None:
-            tensors = safetensors.torch.load_file(local)
-        else:
-            tensors = safetensors.torch.load(tier.read_bytes(rel))
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointFormatError(f"{tier.path(rel)}: cannot decode ({e})") from e
-    try:
-        meta = json.loads(tier.read_bytes(f"{name}/{STATE_FILE}"))
+        meta = json.loads(bytes(_read_verified(tier, name, STATE_FILE, files[STATE_FILE])))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointFormatError(f"{tier.path(name, STATE_FILE)}: not valid JSON") from e
     if meta.get("step") != manifest["step"]:

@@ -105,6 +105,24 @@ class RemoteTier:
     def read_bytes(self, relpath: str) -> bytes:
         return bytes(self.fs.cat_file(self.path(relpath)))
 
+    def size(self, relpath: str) -> int:
+        return int(self.fs.size(self.path(relpath)))
+
+    def read_into(self, relpath: str, size: int) -> bytearray:
+        """The first ``size`` bytes of a file in a fresh buffer, read once (no mmap)."""
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        with self.open_read(relpath) as f:
+            while got < size:
+                n = f.readinto(view[got:got + _READ_CHUNK])
+                if not n:
+                    break
+                got += n
+        if got != size:
+            raise OSError(f"{self.path(relpath)}: read {got} of {size} bytes")
+        return buf
+
     def digest(self, relpath: str) -> tuple[int, str]:
         """Stream a stored file once; returns (size, SHA256 hex)."""
         h = hashlib.sha256()

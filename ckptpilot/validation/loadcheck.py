@@ -34,11 +34,7 @@ from typing import IO, Any
 
 log = logging.getLogger("ckptpilot")
 
-MAX_HEADER_BYTES = 100 << 20
 _REQUIRED_META = ("format_version", "step", "rank", "world_size", "model_keys", "rng")
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
-
 
 @dataclass(frozen=True)
 class LoadCheckResult:
@@ -140,6 +136,9 @@ class _Failure(Exception):
 
 
 def _check_header(path: Path) -> dict[str, Any]:
+    from ckptpilot.errors import CheckpointFormatError
+    from ckptpilot.storage.archive import MAX_HEADER_BYTES, check_safetensors_header
+
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -149,20 +148,10 @@ def _check_header(path: Path) -> dict[str, Any]:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise _Failure(f"{path.name}: header claims {n} bytes, file has {size}")
         header = json.loads(f.read(n))
-    data_bytes = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        width = _DTYPE_BYTES.get(info["dtype"])
-        if width is None:
-            raise _Failure(f"{name}: unknown dtype {info['dtype']!r}")
-        count = 1
-        for dim in info["shape"]:
-            count *= int(dim)
-        if not 0 <= begin <= end <= data_bytes or end - begin != count * width:
-            raise _Failure(f"{name}: header claims {count * width} bytes at [{begin}, {end}) "
-                           f"but the file holds {data_bytes} data bytes")
+    try:
+        check_safetensors_header(header, size - 8 - n, path.name)
+    except CheckpointFormatError as e:
+        raise _Failure(str(e)) from e
     return header
 
 

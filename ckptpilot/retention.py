@@ -1,0 +1,348 @@
+"""Retention: which checkpoints to keep, and the crash-safe removal of the others (SPEC §8).
+
+This module owns the retention rules and the order of the removal steps. The planner,
+:func:`plan_retention`, is pure: rows, the policy and the time arrive as data and a frozen
+:class:`RetentionPlan` comes back, so every rule is testable without files or a database.
+The executors, :func:`execute_plan` and :func:`repair`, touch the world only through what they
+are handed: a store object with the few methods of :class:`RetentionStore` (the metadata
+store has them) and callbacks that test for and remove a checkpoint's files. This module
+imports no storage or tier module; deciding how a checkpoint's files are removed belongs to
+the tier that holds them.
+
+Rules, applied per (run, rank, level, tier) group (SPEC §2, §8):
+
+- ``critical`` and ``milestone`` rows are kept forever; ``important`` keeps the newest
+  ``important_keep`` and ``routine`` the newest ``routine_keep`` of the group's valid rows.
+- With a :class:`BestPolicy`, the ``keep`` best valid rows by the user metric of each (run,
+  rank, tier) are kept, whatever their level or class: "the best checkpoints" are steps to the
+  user, not pulses or organs.
+- Never removed: anything ``pending``; a milestone; the newest valid row of each (run, rank,
+  tier) — per tier rather than per rank, because the tiers fail differently (the memory tier
+  dies with the node, so the newest remote copy must survive a newer memory copy); and,
+  transitively, the base of any kept delta (``base_step``). The base is matched by step in
+  every tier of the same run and rank, since a row does not record which tier holds its base;
+  over-keeping a base costs bytes, removing a needed one loses the delta.
+- ``expired`` rows are not planned (their removal is :func:`repair`'s business) and neither
+  they nor ``corrupted`` rows count toward a quota.
+- ``corrupted`` rows are removed unless a never-remove rule protects them (a milestone, the
+  base of a kept delta): recovery never loads them, so keeping them only costs storage, and
+  their metadata row stays behind as an ``expired`` record with its audit entry. This holds
+  for a corrupted ``critical`` row too: its class says the state was worth keeping, the
+  corruption says this copy cannot provide it.
+
+Removal order, per row (:func:`execute_plan`): the row is marked ``expired`` and committed,
+the file is removed, then the removal is committed with its audit entry. A crash between the
+steps leaves an ``expired`` row whose removal is unrecorded, never a ``valid`` row without
+its file nor a file without a row; :func:`repair` finishes such rows on the next run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+from ckptpilot.policy import RetentionPolicy
+from ckptpilot.scheduler.decision import RetentionClass
+
+__all__ = [
+    "BestPolicy",
+    "PruneReport",
+    "RetentionPlan",
+    "RetentionRow",
+    "RetentionStore",
+    "StoredRow",
+    "execute_plan",
+    "plan_retention",
+    "repair",
+]
+
+_PENDING = "pending"
+_VALID = "valid"
+_CORRUPTED = "corrupted"
+_EXPIRED = "expired"
+
+
+class RetentionRow(Protocol):
+    """The fields of a checkpoint row the planner reads (``CheckpointRow`` has them).
+
+    Enumerated fields may be str enums or plain strings (``"valid"``, ``"memory"``).
+    """
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def level(self) -> str: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def location(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def retention_class(self) -> str: ...
+    @property
+    def metric_name(self) -> str | None: ...
+    @property
+    def metric_value(self) -> float | None: ...
+    @property
+    def base_step(self) -> int | None: ...
+
+
+class StoredRow(RetentionRow, Protocol):
+    """A row as :func:`repair` reads it back: ``removed_at`` is None until removal is recorded."""
+
+    @property
+    def removed_at(self) -> float | None: ...
+
+
+class RetentionStore(Protocol):
+    """What the executors need from the metadata store (``MetadataStore`` provides it).
+
+    ``compare_and_mark`` changes the row only while it still has the ``expect`` values and
+    returns None otherwise; ``finish_removal`` records in one transaction that an expired
+    row's file is gone, with an audit entry.
+    """
+
+    def compare_and_mark(self, key: int, status: str, *,
+                         expect: Mapping[str, Any]) -> object | None: ...
+
+    def finish_removal(self, key: int, *, action: str,
+                       details: Mapping[str, Any]) -> object: ...
+
+    def rows(self, *, status: str) -> Sequence[StoredRow]: ...
+
+
+R = TypeVar("R", bound=RetentionRow)
+
+
+@dataclass(frozen=True)
+class BestPolicy:
+    """Keep the ``keep`` best checkpoints by the user metric ``metric`` (``min`` or ``max``).
+
+    Rows carry the metric through ``metric_name`` / ``metric_value``; rows without it, or
+    with another metric, do not compete. Ties go to the newer step.
+    """
+
+    metric: str
+    mode: Literal["min", "max"] = "min"
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"best.metric: expected a metric name, got {self.metric!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"best.mode: expected 'min' or 'max', got {self.mode!r}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"best.keep: expected an int >= 1, got {self.keep!r}")
+
+
+@dataclass(frozen=True)
+class RetentionPlan(Generic[R]):
+    """What to keep and what to remove, each row with a human-readable reason.
+
+    Both tuples are sorted by run, rank, tier, level, then newest step first. Rows already
+    ``expired`` appear in neither. ``now`` is the time the caller planned at (seconds since
+    the epoch, or None); the planner never reads the clock.
+    """
+
+    keep: tuple[tuple[R, str], ...]
+    remove: tuple[tuple[R, str], ...]
+    now: float | None = None
+
+    def reason(self, row_id: int) -> str | None:
+        """The reason recorded for a row id, or None when the row is not in the plan."""
+        for row, why in (*self.keep, *self.remove):
+            if row.id == row_id:
+                return why
+        return None
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """What an executor did: row ids removed, skipped (with why) and failed (with the error).
+
+    A skipped row changed after planning (pinned, re-validated, replaced) and was left alone;
+    a failed row is ``expired`` with its file still present, for :func:`repair` to finish.
+    """
+
+    removed: tuple[int, ...] = ()
+    skipped: tuple[tuple[int, str], ...] = ()
+    failed: tuple[tuple[int, str], ...] = ()
+
+
+def _text(value: object) -> str:
+    return str(value.value) if isinstance(value, Enum) else str(value)
+
+
+def _sort_key(row: RetentionRow) -> tuple[str, int, str, str, int, int]:
+    return (row.run_id, row.rank, _text(row.tier), _text(row.level), -row.step, row.id)
+
+
+def _newest_first(rows: Sequence[R]) -> list[R]:
+    return sorted(rows, key=lambda row: (-row.step, -row.id))
+
+
+def plan_retention(
+    rows: Sequence[R],
+    policy: RetentionPolicy,
+    *,
+    best: BestPolicy | None = None,
+    now: float | None = None,
+) -> RetentionPlan[R]:
+    """Decide, for every row not yet expired, whether it is kept or removed, and why.
+
+    ``rows`` may span several runs, ranks, levels and tiers and come in any order; the plan
+    depends only on their content. A kept row lists every rule that keeps it.
+    """
+    live = [row for row in rows if _text(row.status) != _EXPIRED]
+    keep: dict[int, list[str]] = defaultdict(list)
+    remove: dict[int, str] = {}
+
+    for row in live:
+        if _text(row.status) == _PENDING:
+            keep[row.id].append("pending (save in flight)")
+        if _text(row.retention_class) == RetentionClass.MILESTONE.value:
+            keep[row.id].append("milestone (pinned)")
+        if _text(row.status) == _CORRUPTED:
+            remove[row.id] = "corrupted: never a recovery point"
+
+    valid = [row for row in live if _text(row.status) == _VALID]
+    by_tier: dict[tuple[str, int, str], list[R]] = defaultdict(list)
+    by_group: dict[tuple[str, int, str, str], list[R]] = defaultdict(list)
+    for row in valid:
+        by_tier[(row.run_id, row.rank, _text(row.tier))].append(row)
+        by_group[(row.run_id, row.rank, _text(row.level), _text(row.tier))].append(row)
+
+    for (_run, _rank, tier), tier_rows in by_tier.items():
+        keep[_newest_first(tier_rows)[0].id].append(f"newest valid in {tier}")
+
+    quotas = {
+        RetentionClass.IMPORTANT.value: policy.important_keep,
+        RetentionClass.ROUTINE.value: policy.routine_keep,
+    }
+    for group_rows in by_group.values():
+        seen: dict[str, int] = defaultdict(int)
+        for row in _newest_first(group_rows):
+            cls = _text(row.retention_class)
+            if cls == RetentionClass.CRITICAL.value:
+                keep[row.id].append("critical: kept forever")
+            elif cls in quotas:
+                seen[cls] += 1
+                if seen[cls] <= quotas[cls]:
+                    keep[row.id].append(f"{cls}: within newest {quotas[cls]}")
+                else:
+                    remove[row.id] = f"{cls}: beyond newest {quotas[cls]}"
+
+    if best is not None:
+        for tier_rows in by_tier.values():
+            ranked = [row for row in tier_rows
+                      if row.metric_name == best.metric and row.metric_value is not None
+                      and math.isfinite(row.metric_value)]
+            sign = 1.0 if best.mode == "min" else -1.0
+            ranked.sort(key=lambda row: (sign * float(row.metric_value or 0.0), -row.step))
+            for row in ranked[:best.keep]:
+                keep[row.id].append(f"best {best.keep} by {best.metric} ({best.mode})")
+
+    # Bases of kept deltas, transitively: a kept base that is itself a delta needs its own.
+    by_step: dict[tuple[str, int, int], list[R]] = defaultdict(list)
+    for row in live:
+        by_step[(row.run_id, row.rank, row.step)].append(row)
+    by_id = {row.id: row for row in live}
+    dependents: dict[int, set[int]] = defaultdict(set)
+    todo = list(keep)
+    while todo:
+        delta = by_id[todo.pop()]
+        if delta.base_step is None:
+            continue
+        for base in by_step.get((delta.run_id, delta.rank, delta.base_step), []):
+            if base.id not in keep and base.id not in dependents:
+                todo.append(base.id)
+            dependents[base.id].add(delta.step)
+    for base_id, steps in dependents.items():
+        listed = ", ".join(str(step) for step in sorted(steps))
+        noun = "delta at step" if len(steps) == 1 else "deltas at steps"
+        keep[base_id].append(f"base of kept {noun} {listed}")
+
+    kept = tuple(sorted(((by_id[row_id], "; ".join(reasons)) for row_id, reasons in keep.items()),
+                        key=lambda item: _sort_key(item[0])))
+    removed = tuple(sorted(((by_id[row_id], why) for row_id, why in remove.items()
+                            if row_id not in keep),
+                           key=lambda item: _sort_key(item[0])))
+    return RetentionPlan(keep=kept, remove=removed, now=now)
+
+
+def _details(row: RetentionRow, reason: str) -> dict[str, Any]:
+    return {
+        "run_id": row.run_id, "step": row.step, "rank": row.rank, "tier": _text(row.tier),
+        "level": _text(row.level), "location": row.location, "reason": reason,
+    }
+
+
+def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
+                 remove_file: Callable[[R], None]) -> PruneReport:
+    """Remove the plan's rows one at a time, in the crash-safe order.
+
+    Per row: mark it ``expired`` (committed, and only if its status, class and location are
+    still what the plan saw), call ``remove_file(row)``, then record the removal with an
+    audit entry (committed). ``remove_file`` must delete the checkpoint's files in its tier;
+    a missing file counts as removed. Any other ``OSError`` leaves the row expired for
+    :func:`repair` and the executor goes on with the next row; other exceptions propagate.
+    """
+    removed: list[int] = []
+    skipped: list[tuple[int, str]] = []
+    failed: list[tuple[int, str]] = []
+    for row, reason in plan.remove:
+        expect = {"status": _text(row.status), "retention_class": _text(row.retention_class),
+                  "location": row.location}
+        if store.compare_and_mark(row.id, _EXPIRED, expect=expect) is None:
+            skipped.append((row.id, "changed or gone since the plan was made"))
+            continue
+        try:
+            remove_file(row)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            failed.append((row.id, f"{type(error).__name__}: {error}"))
+            continue
+        store.finish_removal(row.id, action="prune", details=_details(row, reason))
+        removed.append(row.id)
+    return PruneReport(removed=tuple(removed), skipped=tuple(skipped), failed=tuple(failed))
+
+
+def repair(store: RetentionStore, exists: Callable[[StoredRow], bool],
+           remove_file: Callable[[StoredRow], None]) -> PruneReport:
+    """Finish the removals a crash or an I/O error interrupted; run before planning.
+
+    Every ``expired`` row whose removal is not recorded has its file removed when
+    ``exists(row)`` says it is still there, then the removal is recorded (action
+    ``repair``). Idempotent: a second run finds nothing to do.
+    """
+    removed: list[int] = []
+    failed: list[tuple[int, str]] = []
+    for row in store.rows(status=_EXPIRED):
+        if row.removed_at is not None:
+            continue
+        try:
+            present = exists(row)
+            if present:
+                remove_file(row)
+        except FileNotFoundError:
+            present = False
+        except OSError as error:
+            failed.append((row.id, f"{type(error).__name__}: {error}"))
+            continue
+        details = _details(row, "finishing an interrupted removal")
+        details["file_was_present"] = present
+        store.finish_removal(row.id, action="repair", details=details)
+        removed.append(row.id)
+    return PruneReport(removed=tuple(removed), failed=tuple(failed))
