@@ -270,12 +270,21 @@ class CheckpointPilot:
             grad = float(self._grad_norm)  # type: ignore[arg-type]
             self._grad_probe_pending = False
         system = self._health.snapshot() if self._health is not None else None
-        local = self.scheduler.measure(self.step, self.last_loss, grad, system)
         costs = {"save_seconds": statistics.median(self._stalls) if self._stalls else None,
                  "mtbf_seconds": self._mtbf_seconds, "step_seconds": self._step_seconds}
-        signals, costs = self._agree(local, costs) if self._distributed else (local, costs)
-        self.scheduler.set_cost_model(**costs)
-        decision = self.scheduler.decide_from(self.step, signals)
+        if self._distributed:
+            # Decide from the signals agreed over the previous step, then measure this one
+            # and start its reduction: measuring after deciding lets an emergency decision
+            # reset the hard-error reference before the next reduction carries it again.
+            signals, agreed_costs = self._agreed()
+            self.scheduler.set_cost_model(**agreed_costs)
+            decision = self.scheduler.decide_from(self.step, signals)
+            self._start_agreement(
+                self.scheduler.measure(self.step, self.last_loss, grad, system), costs)
+        else:
+            local = self.scheduler.measure(self.step, self.last_loss, grad, system)
+            self.scheduler.set_cost_model(**costs)
+            decision = self.scheduler.decide_from(self.step, local)
         self.last_decision = decision
         self._telemetry.decision(decision)
         if decision.non_finite:
@@ -285,23 +294,26 @@ class CheckpointPilot:
                             decision.reason, self._non_finite_steps)
         return decision
 
-    def _agree(self, local: Mapping[str, float], costs: Mapping[str, float | None]
-               ) -> tuple[dict[str, float], dict[str, float | None]]:
-        """Element-wise max over ranks, one step late: start this step's reduction, use the
-        previous one's result (all zeros right after a start or restore, on every rank)."""
-        previous = self._agree_buffer
-        if self._agree_work is not None:
-            self._agree_work.wait()
-        values = [local[k] for k in SIGNAL_KEYS] + [
-            -1.0 if costs[k] is None else float(costs[k]) for k in _COST_KEYS]  # type: ignore[arg-type]
-        self._agree_buffer = torch.tensor(values, dtype=torch.float64)
-        self._agree_work = torch.distributed.all_reduce(
-            self._agree_buffer, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        agreed = previous.tolist() if previous is not None else [0.0] * len(values)
+    def _agreed(self) -> tuple[dict[str, float], dict[str, float | None]]:
+        """The element-wise max over ranks of the previous step's signals and costs (zeros
+        right after a start or restore, on every rank alike)."""
         n = len(SIGNAL_KEYS)
+        if self._agree_work is None:
+            return dict.fromkeys(SIGNAL_KEYS, 0.0), dict.fromkeys(_COST_KEYS)
+        self._agree_work.wait()
+        agreed = self._agree_buffer.tolist()  # type: ignore[union-attr]
         signals = dict(zip(SIGNAL_KEYS, agreed[:n], strict=True))
         return signals, {k: (v if v > 0 else None)
                          for k, v in zip(_COST_KEYS, agreed[n:], strict=True)}
+
+    def _start_agreement(self, local: Mapping[str, float],
+                         costs: Mapping[str, float | None]) -> None:
+        """One tiny non-blocking collective per step; consumed at the next step."""
+        values = [local[k] for k in SIGNAL_KEYS]
+        values += [-1.0 if costs[k] is None else float(costs[k]) for k in _COST_KEYS]  # type: ignore[arg-type]
+        self._agree_buffer = torch.tensor(values, dtype=torch.float64)
+        self._agree_work = torch.distributed.all_reduce(
+            self._agree_buffer, op=torch.distributed.ReduceOp.MAX, async_op=True)
 
     def _write_heartbeat(self) -> None:
         c = self.components
