@@ -116,10 +116,15 @@ def train_child(run_dir: Path, config: Path, steps: int) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        pilot.observe(loss)
+        decision = pilot.observe(loss)
         value = loss.item()
         tb.add_scalar("train/loss", value, step + 1)
         _emit(out, "step", step=step + 1, loss=value)
+        if decision.save:
+            _emit(out, "decision", step=decision.step, level=decision.level.value
+                  if decision.level else None, interval=decision.interval,
+                  score=decision.score, signals=decision.signals,
+                  retention=decision.retention_class.value, reason=decision.reason)
         for record in pilot.saves[reported:]:
             _emit(out, "save", step=record.step, bytes=record.bytes,
                   stall=record.stall_seconds, persist=record.persist_seconds)
@@ -129,7 +134,7 @@ def train_child(run_dir: Path, config: Path, steps: int) -> None:
     for record in pilot.saves[reported:]:
         _emit(out, "save", step=record.step, bytes=record.bytes, stall=record.stall_seconds,
               persist=record.persist_seconds)
-    _emit(out, "done", step=steps)
+    _emit(out, "done", step=steps, stats=dict(pilot.stats()))
 
 
 # -- the parent ----------------------------------------------------------------------------
@@ -141,6 +146,7 @@ class _Run:
     saves: list[dict[str, Any]] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
     done: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
     returncode: int | None = None
 
 
@@ -169,22 +175,37 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
             elif kind == "step":
                 run.last_step = ev["step"]
                 run.losses[ev["step"]] = ev["loss"]
-                if ev["step"] % 20 == 0 or ev["step"] == steps:
+                if ev["step"] % 50 == 0 or ev["step"] == steps:
                     rate = (ev["step"] - run.restored.get("step", 0)) / (time.monotonic() - t0)
                     print(f"[{label}] step {ev['step']:>5}/{total}  loss {ev['loss']:.3f}  "
-                          f"{rate:5.1f} steps/s  saves {len(run.saves)}")
+                          f"{rate:5.1f} steps/s  checkpoints written {len(run.saves)}")
                 if kill_at is not None and ev["step"] >= kill_at:
                     proc.send_signal(signal.SIGKILL)
                     print(f"[{label}] SIGKILL sent at step {ev['step']}")
                     break
+            elif kind == "decision":
+                sig = ev["signals"]
+                print(f"[{label}] step {ev['step']:>5}: {ev['level']:<5} checkpoint, "
+                      f"interval {ev['interval']:>3}, score {ev['score']:.2f} (loss "
+                      f"{sig['loss']:.0f} grad {sig['grad']:.0f} system {sig['system']:.0f}), "
+                      f"{ev['retention']}")
             elif kind == "save":
                 run.saves.append(ev)
-                print(f"[{label}] checkpoint step {ev['step']}: {ev['bytes'] / 1e6:.1f} MB, "
-                      f"training stalled {ev['stall'] * 1e3:.1f} ms")
             elif kind == "done":
                 run.done = True
+                run.stats = ev["stats"]
     finally:
         run.returncode = proc.wait()
+
+
+def _interval_story(configured: int, stats: dict[str, Any]) -> str:
+    base = stats.get("base_interval")
+    mtbf = stats.get("mtbf_seconds")
+    if mtbf is None or base is None or base >= configured:
+        return f"base {configured} steps (no failure history caps it)"
+    return (f"base {configured} → {base} steps after the crash: Young–Daly with an MTBF of "
+            f"{mtbf:.0f} s (failure ledger), a {stats['median_stall_seconds'] * 1e3:.1f} ms "
+            f"save cost and {stats['step_seconds'] * 1e3:.0f} ms steps")
 
 
 def _prepare_run_dir(run_dir: Path) -> None:
@@ -257,6 +278,7 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
         ("recovered step", str(restored["step"])),
         ("recovery seconds", f"{restored['seconds']:.3f}"),
         ("steps lost", str(first.last_step - restored["step"])),
+        ("adaptive interval", _interval_story(interval, second.stats)),
         ("wall time", f"{wall:.1f} s"),
         ("tensorboard", f"tensorboard --logdir {run_dir / 'tensorboard'}"),
     ]

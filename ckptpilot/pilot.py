@@ -518,5 +518,7 @@ class CheckpointPilot:
             "median_stall_seconds": statistics.median(stalls) if stalls else None,
             "non_finite_steps": self._non_finite_steps,
             "interval": self.last_decision.interval if self.last_decision else None,
+            "base_interval": self.scheduler.base_interval,
             "step_seconds": self._step_seconds,
+            "mtbf_seconds": self._mtbf_seconds,
         }

@@ -101,7 +101,8 @@ def main() -> None:
     pilot = CheckpointPilot(load_policy(a.config, run_dir=a.run_dir), model=model,
                             optimizer=opt, lr_scheduler=sched, data_state=sampler)
     start = pilot.restore()
-    print(f"RESUMED {start} {pilot.last_recovery.source.value}", flush=True)
+    rec = pilot.last_recovery
+    print(f"RESUMED {start} {rec.source.value} {rec.steps_lost}", flush=True)
     with open(a.losses, "a") as log:
         for step in range(start, a.steps):
             model.train()

@@ -19,7 +19,9 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = tmp_path / "fast.yaml"
-    cfg.write_text("scheduler: {base_interval: 10, min_interval: 1, max_interval: 500}\n")
+    cfg.write_text("scheduler: {base_interval: 10, min_interval: 1, max_interval: 500,\n"
+                   "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
+                   "  loss: {slope_threshold: 1000.0}}\n")
     run_dir = tmp_path / "demo"
     out = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
     assert out.returncode == 0, out.stderr

@@ -42,9 +42,13 @@ def _losses(path: Path) -> list[tuple[int, str]]:
     return [(int(s), v) for s, v in (line.split() for line in path.read_text().splitlines())]
 
 
-def _resumed_from(proc: subprocess.CompletedProcess[str]) -> int:
+def _resumed(proc: subprocess.CompletedProcess[str]) -> list[str]:
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESUMED"))
-    return int(line.split()[1])
+    return line.split()[1:]
+
+
+def _resumed_from(proc: subprocess.CompletedProcess[str]) -> int:
+    return int(_resumed(proc)[0])
 
 
 def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -93,6 +97,18 @@ def test_killed_between_and_during_saves_resumes_bit_exactly(
     assert third.returncode == 0, third.stderr
     assert _resumed_from(third) == 30
     assert not any(".staging-" in p.name for p in ckpt_dir.iterdir())
+
+    # Heartbeats tell how far each dead run got; the ledger records both interruptions.
+    assert _resumed(second) == ["20", "remote", "4"]  # run 1 died after step 24 (index 23)
+    lost = int(_resumed(third)[2])
+    assert lost >= 10  # run 2 got at least to step 40 before the kill in its save
+    ledger = [json.loads(ln) for ln in (run_dir / "ledger_rank_00000.jsonl").read_text()
+              .splitlines()]
+    kinds = [r["kind"] for r in ledger]
+    assert kinds == ["run_start", "interruption", "run_start", "interruption", "run_start",
+                     "run_end"]
+    assert [(r["last_step"], r["recovered_step"]) for r in ledger if r["kind"] ==
+            "interruption"] == [(24, 20), (30 + lost, 30)]
 
     ref_losses = reference["losses"]
     seen = _losses(losses)
