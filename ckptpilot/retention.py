@@ -249,7 +249,8 @@ def plan_retention(
                       if row.metric_name == best.metric and row.metric_value is not None
                       and math.isfinite(row.metric_value)]
             sign = 1.0 if best.mode == "min" else -1.0
-            ranked.sort(key=lambda row: (sign * float(row.metric_value or 0.0), -row.step))
+            ranked.sort(key=lambda row: (sign * float(row.metric_value or 0.0), -row.step,
+                                         -row.id))
             for row in ranked[:best.keep]:
                 keep[row.id].append(f"best {best.keep} by {best.metric} ({best.mode})")
 

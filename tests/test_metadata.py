@@ -542,6 +542,7 @@ def _pruner(path: str, start: Any, results: Any) -> None:
                  "samples": samples})
 
 
+@pytest.mark.slow
 def test_concurrent_writers_and_pruner_never_hit_database_is_locked(tmp_path: Path) -> None:
     path = str(tmp_path / "metadata.db")
     files = tmp_path / "files"

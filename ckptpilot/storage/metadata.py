@@ -388,7 +388,7 @@ class MetadataStore:
         self._pid = os.getpid()
         self._closed = False
         try:
-            self._version = self._upgrade()
+            self._upgrade()
         except BaseException:
             self._engine.dispose()
             raise
@@ -429,7 +429,7 @@ class MetadataStore:
         try:
             while True:
                 try:
-                    driver.execute("BEGIN DEFERRED")
+                    driver.execute("BEGIN IMMEDIATE")
                     return
                 except sqlite3.OperationalError as error:
                     if not _is_busy(error):
@@ -475,11 +475,11 @@ class MetadataStore:
             return conn.execute(sa.select(sa.func.max(_schema_version.c.version))).scalar() or 0
         return 0 if not tables else None
 
-    def _upgrade(self) -> int:
+    def _upgrade(self) -> None:
+        """Bring the file to ``SCHEMA_VERSION``; a current file costs one read transaction."""
         with self._read() as conn:
-            version = self._read_version(conn)
-        if version == SCHEMA_VERSION:
-            return version
+            if self._read_version(conn) == SCHEMA_VERSION:
+                return
         with self._write() as conn:
             # Read again under the write lock: another process may have migrated meanwhile.
             version = self._read_version(conn)
@@ -499,7 +499,6 @@ class MetadataStore:
                 conn.execute(sa.insert(_schema_version).values(
                     version=target, applied_at=time.time(),
                     description=(migration.__doc__ or migration.__name__).strip()))
-        return SCHEMA_VERSION
 
     @property
     def path(self) -> Path:
