@@ -40,21 +40,62 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where checkpoints and TensorBoard logs go (default runs/demo)")
     demo.add_argument("--config", type=Path, default=None,
                       help="policy YAML (default: the reference policy, 40-step interval)")
+
+    def run_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--run-dir", type=Path, default=None,
+                       help="the run directory (default: run_dir of the policy)")
+        p.add_argument("--config", type=Path, default=None,
+                       help="policy YAML the run was trained with (default: reference policy)")
+        return p
+
+    run_parser("ls", "list the run's checkpoints (step, level, tier, status, class, size, age)")
+    rec = run_parser("recover", "make step N the point the next restore() loads")
+    rec.add_argument("--step", type=_non_negative_int, required=True)
+    rec.add_argument("--dry-run", action="store_true", help="print what would happen only")
+    rec.add_argument("--force", action="store_true",
+                     help="allow a checkpoint whose status is not valid (audited)")
+    pr = run_parser("prune", "apply the retention classes: remove what no rule keeps")
+    pr.add_argument("--dry-run", action="store_true", help="print the plan only")
+    va = run_parser("validate", "re-verify every checkpoint; mark failures corrupted")
+    va.add_argument("--rebuild", action="store_true",
+                    help="recreate a lost metadata database from the checkpoint manifests")
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a step >= 0, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ckptpilot import runops
     from ckptpilot.demo import DemoError, run_demo
+    from ckptpilot.policy import load_policy
 
     try:
         if args.command == "demo":
             return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
+        policy = load_policy(args.config, run_dir=args.run_dir)
+        out = sys.stdout
+        if args.command == "ls":
+            return runops.ls(policy, out)
+        if args.command == "recover":
+            return runops.recover(policy, step=args.step, dry_run=args.dry_run,
+                                  force=args.force, out=out)
+        if args.command == "prune":
+            return runops.prune(policy, dry_run=args.dry_run, out=out)
+        return runops.validate(policy, rebuild=args.rebuild, out=out)
     except (CkptPilotError, DemoError) as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 2
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ consumed at step t+1), so all ranks save at the same global steps without a barr
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -47,7 +49,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptpilot.errors import CheckpointFormatError, CheckpointWriteError, NoCheckpointError
+from ckptpilot.errors import (
+    CheckpointFormatError,
+    CheckpointWriteError,
+    NoCheckpointError,
+)
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
@@ -56,8 +62,18 @@ from ckptpilot.scheduler.health import GpuHealthProvider, HealthMonitor
 from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
 from ckptpilot.scheduler.ledger import FailureLedger
 from ckptpilot.state import HostBufferPool, Snapshot, Stateful, TrainingComponents, apply, capture
-from ckptpilot.storage.archive import list_archives, read_organ, write_organ
+from ckptpilot.storage.archive import (
+    checkpoint_name,
+    list_archives,
+    model_layout,
+    read_manifest,
+    read_organ,
+    stage_organ,
+)
+from ckptpilot.storage.metadata import MetadataStore, Status
 from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.validation.postwrite import PostWriteValidator
+from ckptpilot.validation.recovery import Candidate, plan_recovery
 
 log = logging.getLogger("ckptpilot")
 
@@ -104,8 +120,23 @@ class SaveRecord:
     retention_class: str
     stall_seconds: float
     persist_seconds: float
+    validate_seconds: float
     bytes: int
     location: str
+    status: str  # "valid", or "corrupted" when post-write validation refused it
+
+
+@dataclass(frozen=True)
+class _SaveRequest:
+    level: str
+    reason: str
+    retention_class: str
+    score: float | None = None
+    metric: tuple[str, float] | None = None
+
+
+RECOVER_PIN = "recover.json"
+MAX_RECOVERY_WALK = 5
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -141,6 +172,9 @@ class CheckpointPilot:
                                              lr_scheduler=lr_scheduler, scaler=scaler,
                                              data_state=data_state)
         self.remote = RemoteTier(self.policy.tiers.remote.url)
+        self.run_id = self.run_dir.name
+        self.store = MetadataStore(self.run_dir / "metadata.sqlite")
+        self._validator = PostWriteValidator(self.policy.validation)
         self.scheduler = AdaptiveCheckpointScheduler(self.policy.scheduler, self.policy.retention)
         self.extras: dict[str, Any] = {}
         self.step = 0
@@ -215,7 +249,8 @@ class CheckpointPilot:
         if step % self.policy.levels.heartbeat.every == 0:
             self._write_heartbeat()
         if decision.save and decision.level is not None:
-            self._save(decision.level.value, decision.reason, decision.retention_class.value)
+            self._save(_SaveRequest(decision.level.value, decision.reason,
+                                    decision.retention_class.value, decision.score))
         return decision
 
     def save(self, level: str = "organ", reason: str = "manual") -> bool:
@@ -225,10 +260,29 @@ class CheckpointPilot:
         lvl = Level(level)
         if lvl is Level.HEARTBEAT:
             raise ValueError("a heartbeat is written every step; force a 'pulse' or 'organ'")
-        if not self._save(lvl.value, reason, "important"):
+        if not self._save(_SaveRequest(lvl.value, reason, "important")):
             return False
         self.scheduler.note_save(self.step, lvl)
         return True
+
+    def report_metric(self, name: str, value: float) -> None:
+        """Attach a metric (e.g. a validation loss) to the checkpoint of the current step.
+
+        Best-N retention (``retention.best``) ranks checkpoints by it, so the state it was
+        measured on must exist: if the current step has no checkpoint yet, a pulse is saved.
+        """
+        self._check_open()
+        self._raise_background_errors()
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"metric {name!r} at step {self.step}: {value} is not finite")
+        if self._save(_SaveRequest("pulse", f"metric {name} reported", "important",
+                                   metric=(name, value))):
+            self.scheduler.note_save(self.step, Level.PULSE)
+            return
+        key = (self.run_id, self.step, self.rank, "remote")
+        self._inflight.append((self.step, self._executor.submit(
+            self.store.set_metric, key, name, value)))
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -250,8 +304,8 @@ class CheckpointPilot:
             if self._optimizer_steps >= 2:
                 decision = self._decide()
                 if decision.save and decision.level is not None:
-                    self._save(decision.level.value, decision.reason,
-                               decision.retention_class.value)
+                    self._save(_SaveRequest(decision.level.value, decision.reason,
+                                            decision.retention_class.value, decision.score))
 
     def _time_step(self) -> None:
         now = time.perf_counter()
@@ -334,7 +388,7 @@ class CheckpointPilot:
         }
         self._heartbeat.write(record)
 
-    def _save(self, level: str, reason: str, retention_class: str) -> bool:
+    def _save(self, request: _SaveRequest) -> bool:
         if self._last_save_step == self.step:
             return False
         t0 = time.perf_counter()
@@ -348,8 +402,7 @@ class CheckpointPilot:
             raise
         stall = time.perf_counter() - t0
         self._stalls.append(stall)
-        future = self._executor.submit(self._persist, snapshot, level, reason, retention_class,
-                                       stall)
+        future = self._executor.submit(self._persist, snapshot, request, stall)
         self._inflight.append((self.step, future))
         self._last_save_step = self.step
         return True
@@ -375,23 +428,55 @@ class CheckpointPilot:
 
     # -- writer thread ---------------------------------------------------------------------
 
-    def _persist(self, snapshot: Snapshot, level: str, reason: str, retention_class: str,
-                 stall: float) -> SaveRecord:
+    def _persist(self, snapshot: Snapshot, request: _SaveRequest, stall: float) -> SaveRecord:
+        """Stage → record ``pending`` → validate → publish and mark ``valid`` (or set aside
+        and mark ``corrupted``, with an alert: the previous valid checkpoint stays the
+        recovery point)."""
         try:
             t0 = time.perf_counter()
-            written = write_organ(self.remote, snapshot, level=level, reason=reason)
+            staged = stage_organ(self.remote, snapshot, level=request.level,
+                                 reason=request.reason, retention_class=request.retention_class,
+                                 score=request.score)
+            write_seconds = time.perf_counter() - t0
+            key = (self.run_id, snapshot.step, self.rank, "remote")
+            self._retire_existing(key, staged.name)
+            metric_name, metric_value = request.metric or (None, None)
+            self.store.add_pending(
+                run_id=self.run_id, step=snapshot.step, rank=self.rank, level=request.level,
+                tier="remote", location=self.remote.path(staged.staging),
+                sha256=staged.manifest["self_sha256"], retention_class=request.retention_class,
+                score=request.score, metric_name=metric_name, metric_value=metric_value,
+                bytes_raw=snapshot.nbytes, bytes_encoded=staged.bytes, codec="raw",
+                seconds_snapshot=stall, seconds_write=write_seconds, reason=request.reason)
+            check = self._validator.validate(self.remote, staged.staging, staged.manifest,
+                                             model_layout(snapshot))
+            if check.ok:
+                self.remote.publish(staged.staging, staged.name)
+                location, status = self.remote.path(staged.name), Status.VALID
+                self.store.mark(key, status, location=location, seconds_validate=check.seconds)
+            else:
+                location = self.remote.path(self.remote.set_aside(staged.staging, "corrupted"))
+                status = Status.CORRUPTED
+                self.store.mark(key, status, location=location, seconds_validate=check.seconds,
+                                note=check.reason)
+                log.error("ALERT: the checkpoint of step %d failed validation and is kept as "
+                          "%s: %s. The previous valid checkpoint stays the recovery point.",
+                          snapshot.step, location, check.reason)
             seconds = time.perf_counter() - t0
-            record = SaveRecord(step=snapshot.step, level=level, reason=reason,
-                                retention_class=retention_class, stall_seconds=stall,
-                                persist_seconds=seconds, bytes=written.bytes,
-                                location=written.location)
+            record = SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
+                                retention_class=request.retention_class, stall_seconds=stall,
+                                persist_seconds=seconds, validate_seconds=check.seconds,
+                                bytes=staged.bytes, location=location, status=status.value)
             self.saves.append(record)
-            log.info("saved %s step %d: %.1f MB, stall %.1f ms, persisted in %.2f s (%s)",
-                     level, snapshot.step, written.bytes / 1e6, stall * 1e3, seconds, reason)
+            log.info("saved %s step %d: %.1f MB, stall %.1f ms, persisted in %.2f s "
+                     "(validation %.2f s), %s (%s)", request.level, snapshot.step,
+                     staged.bytes / 1e6, stall * 1e3, seconds, check.seconds, status.value,
+                     request.reason)
             self._telemetry.save(snapshot.step, {
                 "checkpoint/save_seconds": seconds,
                 "checkpoint/stall_seconds": stall,
-                "checkpoint/bytes": float(written.bytes),
+                "checkpoint/validate_seconds": check.seconds,
+                "checkpoint/bytes": float(staged.bytes),
             })
             return record
         except Exception:
@@ -401,56 +486,124 @@ class CheckpointPilot:
             self._pool.give_back(snapshot.tensors)
             self._slots.release()
 
+    def _retire_existing(self, key: tuple[str, int, int, str], name: str) -> None:
+        """A run resumed from an earlier step saves a step again: the old copy (from the
+        abandoned continuation) is set aside and its row expired, never silently replaced."""
+        row = self.store.get(key)
+        if row is None or row.status not in (Status.PENDING, Status.VALID):
+            return
+        note = f"superseded by a new save of step {key[1]} after resuming from an earlier step"
+        location = row.location
+        if self.remote.exists(name):
+            location = self.remote.path(self.remote.set_aside(name, "superseded"))
+        if row.status is Status.PENDING:
+            self.store.mark(key, Status.CORRUPTED, location=location, note=note)
+        else:
+            self.store.mark(key, Status.EXPIRED, location=location, note=note)
+
     # -- recovery --------------------------------------------------------------------------
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest checkpoint that verifies (or exactly ``step``); returns the step
         to resume from, 0 when the run has no checkpoint yet.
 
-        A checkpoint that fails verification is skipped and reported in
-        ``last_recovery.skipped``; if checkpoints exist but none verifies, this raises rather
-        than silently restarting the run from scratch. When the previous run of this
-        ``run_dir`` died (its last ledger record is a start, not a clean end), the
-        interruption goes into the failure ledger, which feeds the Young–Daly bound.
+        Recovery order (SPEC §7): newest ``valid`` first, re-verified on read; a checkpoint
+        that fails is marked ``corrupted`` and the chain is walked back (up to 5), then the
+        newest organ. ``last_recovery.skipped`` lists what was passed over and why. If
+        checkpoints exist but none verifies, this raises rather than silently restarting the
+        run from scratch. A pin left by ``ckptpilot recover --step N`` selects step N (any
+        status with ``--force``) and is consumed. When the previous run of this ``run_dir``
+        died, the interruption goes into the failure ledger (it feeds the Young–Daly bound).
         """
         self._check_open()
         self.flush()
         t0 = time.perf_counter()
-        listing = list_archives(self.remote, self.rank)
-        for debris in listing.staging:
-            log.warning("removing %s: a save that never finished (writer killed)",
-                        self.remote.path(debris))
-            self.remote.remove(debris)
-        candidates = [(s, n) for s, n in listing.published if step is None or s == step]
-        if step is not None and not candidates:
-            raise NoCheckpointError(f"no checkpoint of step {step} for rank {self.rank} "
-                                    f"in {self.remote.url}")
-        skipped: list[SkippedCheckpoint] = []
-        for ckpt_step, name in candidates:
+        forced = False
+        pin = self.run_dir / RECOVER_PIN
+        if step is None and pin.exists():
+            pinned = json.loads(pin.read_text())
+            step, forced = int(pinned["step"]), bool(pinned.get("force", False))
+            log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
+                        " --force" if forced else "")
+        candidates = self._recovery_candidates()
+        if forced:
+            candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
+        plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
+        skipped = [SkippedCheckpoint(self.remote.path(c.name), why) for c, why in plan.excluded]
+        if step is not None and not plan.attempts:
+            raise NoCheckpointError(
+                f"no usable checkpoint of step {step} for rank {self.rank} in "
+                f"{self.remote.url}" + (f" ({skipped[0].reason})" if skipped else ""))
+        for cand in plan.attempts:
             try:
-                loaded = read_organ(self.remote, name)
+                loaded = read_organ(self.remote, cand.name)
             except CheckpointFormatError as e:
-                log.warning("skipping checkpoint %s: %s", self.remote.path(name), e)
-                skipped.append(SkippedCheckpoint(self.remote.path(name), str(e)))
+                log.warning("skipping checkpoint %s: %s", self.remote.path(cand.name), e)
+                skipped.append(SkippedCheckpoint(self.remote.path(cand.name), str(e)))
+                self._mark_unreadable(cand, str(e))
                 continue
             restored_extras = apply(self.components, loaded.meta, loaded.tensor)
             self.extras.clear()
             self.extras.update(restored_extras)
             self.epoch = loaded.meta.get("epoch")
             level = loaded.manifest["level"]
-            self._after_restore(ckpt_step, Level(level))
-            self.last_recovery = self._report(RecoverySource.REMOTE, ckpt_step, level, t0,
+            self._after_restore(cand.step, Level(level))
+            self.last_recovery = self._report(RecoverySource.REMOTE, cand.step, level, t0,
                                               loaded.location, skipped)
-            log.info("restored step %d from %s in %.2f s", ckpt_step, loaded.location,
+            if pin.exists():
+                self.store.audit("recover-applied", {"step": cand.step, "rank": self.rank,
+                                                     "forced": forced})
+                pin.unlink()
+            log.info("restored step %d from %s in %.2f s", cand.step, loaded.location,
                      self.last_recovery.seconds)
-            return ckpt_step
+            return cand.step
         if skipped:
             raise NoCheckpointError(
-                f"none of the {len(skipped)} checkpoints in {self.remote.url} verifies; "
+                f"none of the {len(skipped)} checkpoints in {self.remote.url} can be loaded; "
                 f"newest: {skipped[0].reason}")
         self._after_restore(0, None)
         self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
+
+    def _recovery_candidates(self) -> list[Candidate]:
+        """Published archives of this rank with their metadata status; repairs the traces a
+        killed writer left (staging directories, rows still ``pending``)."""
+        listing = list_archives(self.remote, self.rank)
+        for debris in listing.staging:
+            log.warning("removing %s: a save that never finished (writer killed)",
+                        self.remote.path(debris))
+            self.remote.remove(debris)
+        published = dict((name, s) for s, name in listing.published)
+        rows = {}
+        for row in self.store.rows(self.run_id, rank=self.rank, tier="remote"):
+            rows.setdefault(row.step, row)
+        for row in rows.values():
+            if row.status is not Status.PENDING:
+                continue
+            name = checkpoint_name(row.step, self.rank)
+            if name in published:  # validated, published, killed before the row was marked
+                self.store.mark(row.key, Status.VALID, location=self.remote.path(name))
+            else:
+                self.store.mark(row.key, Status.CORRUPTED,
+                                note="the writer died before the checkpoint was published")
+        candidates = []
+        for name, step in published.items():
+            row = self.store.get((self.run_id, step, self.rank, "remote"))
+            if row is not None:
+                candidates.append(Candidate(step, row.level.value, "remote", name,
+                                            row.status.value))
+                continue
+            try:  # no metadata (database lost or rebuilt): the manifest says what it is
+                level = read_manifest(self.remote, name)["level"]
+            except CheckpointFormatError:
+                level = "unknown"
+            candidates.append(Candidate(step, level, "remote", name, None))
+        return candidates
+
+    def _mark_unreadable(self, cand: Candidate, reason: str) -> None:
+        row = self.store.get((self.run_id, cand.step, self.rank, "remote"))
+        if row is not None and row.status is Status.VALID:
+            self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {reason}")
 
     def _after_restore(self, step: int, level: Level | None) -> None:
         self.step = self._base_step = step
@@ -500,8 +653,10 @@ class CheckpointPilot:
             if self._health is not None:
                 self._health.stop()
             self._telemetry.close()
+            self._validator.close()
             if self._run_started:
                 self._ledger.record_run_end(self.step)
+            self.store.close()
 
     def __enter__(self) -> CheckpointPilot:
         return self

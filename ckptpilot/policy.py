@@ -40,6 +40,7 @@ from ckptpilot.errors import PolicyError
 
 __all__ = [
     "AsyncPolicy",
+    "BestMetricPolicy",
     "CodecName",
     "CodecsPolicy",
     "GradSignalPolicy",
@@ -306,6 +307,15 @@ class ValidationPolicy(_Section):
     consistency: bool = True
 
 
+class BestMetricPolicy(_Section):
+    """Never prune the ``keep`` best checkpoints by a metric the user reports
+    (``pilot.report_metric(metric, value)``); ``mode`` says whether lower or higher is better."""
+
+    metric: str = Field(min_length=1)
+    mode: Literal["min", "max"] = "min"
+    keep: int = Field(3, ge=1)
+
+
 class RetentionPolicy(_Section):
     """Retention classes from the health score at save time (SPEC §4, §8)."""
 
@@ -313,6 +323,7 @@ class RetentionPolicy(_Section):
     important_score: float = Field(0.5, ge=0, le=1)
     important_keep: int = Field(3, ge=1)
     routine_keep: int = Field(1, ge=1)
+    best: BestMetricPolicy | None = None
 
     @model_validator(mode="after")
     def _check_scores(self) -> Self:

@@ -200,7 +200,7 @@ def test_recovery_walks_back_over_a_corrupt_newest(tmp_path: Path) -> None:
     assert "step_00000009" in rec.skipped[0].location
     assert "SHA256 mismatch" in rec.skipped[0].reason
     assert again.pilot.restore(step=3) == 3
-    with pytest.raises(NoCheckpointError, match="no checkpoint of step 4"):
+    with pytest.raises(NoCheckpointError, match="no usable checkpoint of step 4"):
         again.pilot.restore(step=4)
     again.pilot.close()
 

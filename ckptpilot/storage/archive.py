@@ -188,7 +188,7 @@ def model_layout(snapshot: Snapshot) -> dict[str, tuple[str, list[int]]]:
 
 def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "") -> WrittenArchive:
-    """Write ``snapshot`` as a complete archive and publish it atomically."""
+    """Write ``snapshot`` as a complete archive and publish it atomically (no validation)."""
     staged = stage_organ(tier, snapshot, level=level, reason=reason)
     tier.publish(staged.staging, staged.name)
     return WrittenArchive(name=staged.name, location=tier.path(staged.name), bytes=staged.bytes,
@@ -196,7 +196,8 @@ def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
 
 
 def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
-                reason: str = "") -> StagedArchive:
+                reason: str = "", retention_class: str = "routine",
+                score: float | None = None) -> StagedArchive:
     """Write ``snapshot`` into a fresh staging directory, manifest last; publish separately
     (after validation) with ``tier.publish(staged.staging, staged.name)``."""
     meta = snapshot.meta
@@ -218,6 +219,8 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
         "epoch": meta.get("epoch"),
         "level": level,
         "reason": reason,
+        "retention_class": retention_class,
+        "score": score,
         "created_unix": time.time(),
         "state_bytes": snapshot.nbytes,
         "files": files,

@@ -73,12 +73,17 @@ class RemoteTier:
 
     def publish(self, staging: str, final: str) -> None:
         """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost."""
-        src, dst = self.path(staging), self.path(final)
-        if self.fs.exists(dst):
-            aside = f"{final}.replaced-{uuid.uuid4().hex[:8]}"
-            log.warning("checkpoint %s already exists; moving it aside to %s", dst, aside)
-            self._rename(dst, self.path(aside))
-        self._rename(src, dst)
+        if self.fs.exists(self.path(final)):
+            aside = self.set_aside(final, "replaced")
+            log.warning("checkpoint %s already exists; moved it aside to %s", final, aside)
+        self._rename(self.path(staging), self.path(final))
+
+    def set_aside(self, name: str, why: str) -> str:
+        """Rename ``name`` to ``{name}.{why}-{random}``, a name no listing takes for a
+        checkpoint; returns the new name. Keeps evidence instead of deleting it."""
+        aside = f"{name}.{why}-{uuid.uuid4().hex[:8]}"
+        self._rename(self.path(name), self.path(aside))
+        return aside
 
     def _rename(self, src: str, dst: str) -> None:
         if self.is_local:

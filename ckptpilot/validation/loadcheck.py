@@ -55,11 +55,14 @@ class LoadChecker:
         self._next_id = 0
 
     def check(self, directory: str | os.PathLike[str], manifest: Mapping[str, Any],
-              expected_layout: Mapping[str, tuple[str, list[int]]]) -> LoadCheckResult:
-        """Load-test the checkpoint files in ``directory`` (a local path)."""
+              expected_layout: Mapping[str, tuple[str, list[int]]], *,
+              sha256: bool = True) -> LoadCheckResult:
+        """Load-test the checkpoint files in ``directory`` (a local path); with ``sha256``
+        every file is first re-hashed against the digest recorded while writing."""
         t0 = time.perf_counter()
         sizes = [int(f["bytes"]) for f in manifest["files"].values()]
         job = {"id": self._next_id, "dir": str(directory), "files": manifest["files"],
+               "sha256": sha256,
                "expected": {k: [d, list(s)] for k, (d, s) in expected_layout.items()},
                "memory_limit_bytes": sum(sizes) * 2 + self.memory_margin_bytes}
         self._next_id += 1
@@ -88,7 +91,8 @@ class LoadChecker:
     def _worker(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptpilot.validation.loadcheck"],
+                [sys.executable, "-c",
+                 "from ckptpilot.validation.loadcheck import worker_main; worker_main()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
         return self._proc
 
@@ -161,7 +165,7 @@ def _run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     from safetensors import safe_open
 
     directory = Path(job["dir"])
-    for fname, rec in job["files"].items():
+    for fname, rec in job["files"].items() if job.get("sha256", True) else ():
         h = hashlib.sha256()
         with open(directory / fname, "rb") as f:
             while chunk := f.read(16 << 20):
@@ -207,7 +211,8 @@ def _collect_refs(value: Any, out: list[str]) -> None:
             _collect_refs(v, out)
 
 
-def _worker_main() -> None:
+def worker_main() -> None:
+    """Entry point of the worker process: JSON-line jobs on stdin, replies on stdout."""
     import resource
 
     import torch
@@ -241,7 +246,3 @@ def _vm_size() -> int:
             if line.startswith("VmSize:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-if __name__ == "__main__":
-    _worker_main()

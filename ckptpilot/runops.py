@@ -1,0 +1,271 @@
+"""Operations on a run's checkpoints from outside training: ls, recover, prune, validate.
+
+Each function takes a resolved policy (its ``run_dir`` names the run), prints what it does,
+and returns an exit status. Bad input raises :class:`OpError` (the CLI prints it on one line,
+exit 2). A ``dry_run`` never writes: not the checkpoints, not the metadata, not the audit
+table. This module owns no format: archives, the metadata store, the retention planner and
+the post-write validator do the work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from ckptpilot.errors import CheckpointFormatError, CkptPilotError
+from ckptpilot.pilot import RECOVER_PIN
+from ckptpilot.policy import Policy
+from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
+from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
+from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
+from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
+from ckptpilot.validation.postwrite import PostWriteValidator
+
+DB_NAME = "metadata.sqlite"
+
+
+class OpError(CkptPilotError):
+    """Bad input to a run operation; the message names what is wrong."""
+
+
+def _table(rows: Sequence[Sequence[object]], header: Sequence[str], out: TextIO) -> None:
+    cells = [[str(c) for c in header], *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+class Run:
+    """The run directory, its remote tier and (when it exists) its metadata store."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.dir = Path(policy.run_dir)
+        if not self.dir.is_dir():
+            raise OpError(f"run directory {self.dir} does not exist (check --run-dir)")
+        self.run_id = self.dir.name
+        self.db_path = self.dir / DB_NAME
+        self.remote = RemoteTier(policy.tiers.remote.url)
+
+    def store(self) -> MetadataStore:
+        if not self.db_path.exists():
+            raise OpError(f"no metadata database at {self.db_path}; rebuild it from the "
+                          "checkpoints with `ckptpilot validate --rebuild`")
+        return MetadataStore(self.db_path)
+
+    def published(self) -> list[tuple[int, int, str]]:
+        """(step, rank, name) of every published checkpoint, oldest first."""
+        found = []
+        for name in self.remote.list():
+            parsed = parse_checkpoint_name(name)
+            if parsed is not None:
+                found.append((parsed[0], parsed[1], name))
+        return sorted(found)
+
+    @staticmethod
+    def entry(row: CheckpointRow) -> str:
+        return row.location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def ls(policy: Policy, out: TextIO) -> int:
+    run = Run(policy)
+    with run.store() as store:
+        rows = store.rows(run.run_id)
+    now = time.time()
+    table = [(r.step, r.rank, r.level.value, r.tier.value, r.status.value,
+              r.retention_class.value, "-" if r.score is None else f"{r.score:.2f}",
+              _size(r.bytes_encoded), _age(now - r.created_at),
+              "-" if r.metric_name is None else f"{r.metric_name}={r.metric_value:.4g}")
+             for r in rows]
+    if not table:
+        print(f"no checkpoints recorded for run {run.run_id}", file=out)
+    else:
+        _table(table, ("step", "rank", "level", "tier", "status", "class", "score", "size",
+                       "age", "metric"), out)
+    known = {(r.step, r.rank) for r in rows}
+    missing = [n for s, rk, n in run.published() if (s, rk) not in known]
+    if missing:
+        print(f"{len(missing)} published checkpoint(s) have no metadata row (e.g. "
+              f"{missing[0]}); `ckptpilot validate --rebuild` adds them", file=out)
+    return 0
+
+
+def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextIO) -> int:
+    """Make ``step`` the recovery point: the next ``restore()`` of the run loads it.
+
+    Checkpoints of later steps belong to the continuation being abandoned; they are set
+    aside (renamed, kept for inspection until the next prune) and their rows expired, so
+    that a restart does not mistake them for the newest state. With ``force`` a pin file
+    makes the next ``restore()`` load exactly this step whatever its metadata status.
+    """
+    run = Run(policy)
+    with run.store() as store:
+        targets = [(rk, n) for s, rk, n in run.published() if s == step]
+        if not targets:
+            raise OpError(f"no published checkpoint of step {step} in {run.remote.url}")
+        plan = []
+        for rank, name in targets:
+            row = store.get((run.run_id, step, rank, "remote"))
+            status = row.status.value if row is not None else "unknown"
+            try:
+                manifest = read_manifest(run.remote, name)
+                verify_organ(run.remote, name)
+                check = "verified"
+            except CheckpointFormatError as e:
+                raise OpError(f"step {step}, rank {rank}: {name} cannot be loaded: {e}") from e
+            if status not in ("valid", "unknown") and not force:
+                raise OpError(f"step {step}, rank {rank} is {status} in the metadata; "
+                              "use --force to recover it anyway")
+            plan.append((step, rank, manifest["level"], status, check, run.remote.path(name)))
+        later = [(s, rk, n) for s, rk, n in run.published() if s > step]
+        print(f"{'would load' if dry_run else 'will load'} on the next restore():", file=out)
+        _table(plan, ("step", "rank", "level", "status", "check", "location"), out)
+        if later:
+            print(f"{'would set' if dry_run else 'setting'} aside {len(later)} later "
+                  f"checkpoint(s): {', '.join(n for _, _, n in later)}", file=out)
+        if dry_run:
+            print("dry run: nothing changed", file=out)
+            return 0
+        abandoned = []
+        for s, rank, name in later:
+            aside = run.remote.set_aside(name, f"abandoned-by-recover-{step}")
+            abandoned.append(aside)
+            row = store.get((run.run_id, s, rank, "remote"))
+            if row is not None and row.status is not Status.EXPIRED:
+                target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
+                store.mark(row.key, target, location=run.remote.path(aside),
+                           note=f"abandoned by `ckptpilot recover --step {step}`")
+        if force:
+            (run.dir / RECOVER_PIN).write_text(json.dumps({"step": step, "force": True}))
+        store.audit("recover-force" if force else "recover",
+                    {"step": step, "ranks": [rk for rk, _ in targets], "abandoned": abandoned})
+    print(f"recovery point set to step {step}" + (" (forced)" if force else ""), file=out)
+    return 0
+
+
+def _remover(run: Run) -> tuple[object, object]:
+    def exists(row: CheckpointRow) -> bool:
+        return run.remote.exists(Run.entry(row))
+
+    def remove(row: CheckpointRow) -> None:
+        name = Run.entry(row)
+        if run.remote.exists(name):
+            run.remote.remove(name)
+
+    return exists, remove
+
+
+def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
+    run = Run(policy)
+    best = policy.retention.best
+    best_policy = None if best is None else BestPolicy(best.metric, best.mode, best.keep)
+    with run.store() as store:
+        exists, remove = _remover(run)
+        if not dry_run:
+            fixed = repair(store, exists, remove)  # type: ignore[arg-type]
+            if fixed.removed:
+                print(f"repaired {len(fixed.removed)} interrupted removal(s)", file=out)
+        plan = plan_retention(store.rows(run.run_id), policy.retention, best=best_policy)
+        table = [(r.step, r.rank, r.level.value, r.tier.value, r.status.value,
+                  r.retention_class.value, _size(r.bytes_encoded), action, why)
+                 for action, items in (("keep", plan.keep), ("remove", plan.remove))
+                 for r, why in items]
+        table.sort(key=lambda t: (t[1], t[0]))
+        _table(table, ("step", "rank", "level", "tier", "status", "class", "size", "action",
+                       "reason"), out)
+        freed = sum(r.bytes_encoded or 0 for r, _ in plan.remove)
+        if dry_run:
+            print(f"dry run: would remove {len(plan.remove)} checkpoint(s), "
+                  f"{_size(freed)}; nothing changed", file=out)
+            return 0
+        report = execute_plan(plan, store, remove)  # type: ignore[arg-type]
+    print(f"removed {len(report.removed)} checkpoint(s), {_size(freed)}; skipped "
+          f"{len(report.skipped)}, failed {len(report.failed)}", file=out)
+    for row_id, why in (*report.skipped, *report.failed):
+        print(f"  row {row_id}: {why}", file=out)
+    return 1 if report.failed else 0
+
+
+def validate(policy: Policy, *, rebuild: bool, out: TextIO) -> int:
+    """Re-verify every published checkpoint (hashes, and the load test unless the policy
+    disables it); mark failures ``corrupted``. ``rebuild`` first recreates the metadata
+    database from the manifests (an existing one is kept beside it, renamed)."""
+    run = Run(policy)
+    if rebuild and run.db_path.exists():
+        aside = run.db_path.with_name(f"{DB_NAME}.before-rebuild-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(run.db_path) + suffix)
+            if src.exists():
+                src.rename(Path(str(aside) + suffix))
+        print(f"kept the previous database as {aside}", file=out)
+    store = MetadataStore(run.db_path) if rebuild else run.store()
+    validator = PostWriteValidator(policy.validation)
+    table = []
+    bad = 0
+    try:
+        for step, rank, name in run.published():
+            key = (run.run_id, step, rank, "remote")
+            try:
+                manifest = read_manifest(run.remote, name)
+            except CheckpointFormatError as e:
+                manifest, result_ok, reason = None, False, str(e)
+            else:
+                result = validator.validate(run.remote, name, manifest, {})
+                result_ok, reason = result.ok, result.reason
+            row = store.get(key)
+            if row is None and rebuild and manifest is not None:
+                row = _row_from_manifest(store, run, manifest, name)
+            if row is not None:
+                if result_ok and row.status is Status.PENDING:
+                    store.mark(key, Status.VALID)
+                elif not result_ok and row.status in (Status.VALID, Status.PENDING):
+                    store.mark(key, Status.CORRUPTED, note=f"validate: {reason}")
+            bad += not result_ok
+            table.append((step, rank, "-" if manifest is None else manifest["level"],
+                          "ok" if result_ok else "CORRUPTED", reason))
+        if rebuild:
+            store.audit("rebuild", {"checkpoints": len(table), "corrupted": bad})
+    finally:
+        validator.close()
+        store.close()
+    _table(table, ("step", "rank", "level", "result", "detail"), out)
+    debris = [n for n in run.remote.list() if STAGING_MARK in n]
+    if debris:
+        print(f"{len(debris)} unfinished save(s) left by killed writers: {', '.join(debris)} "
+              "(the next restore() removes them)", file=out)
+    print(f"{len(table) - bad} ok, {bad} corrupted", file=out)
+    return 1 if bad else 0
+
+
+def _row_from_manifest(store: MetadataStore, run: Run, manifest: dict[str, object],
+                       name: str) -> CheckpointRow:
+    return store.add_pending(
+        run_id=run.run_id, step=int(manifest["step"]),  # type: ignore[call-overload]
+        rank=int(manifest["rank"]),  # type: ignore[call-overload]
+        level=str(manifest["level"]), tier="remote", location=run.remote.path(name),
+        sha256=str(manifest["self_sha256"]),
+        retention_class=str(manifest.get("retention_class", "routine")),
+        score=manifest.get("score"),  # type: ignore[arg-type]
+        bytes_raw=manifest.get("state_bytes"),  # type: ignore[arg-type]
+        bytes_encoded=sum(int(f["bytes"]) for f in manifest["files"].values()),  # type: ignore[attr-defined]
+        codec="raw", reason=f"rebuilt from {name}/manifest.json")
