@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,7 @@ def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: boo
                     weights: {{loss: 1.0, grad: 0.0, system: 0.0}},
                     loss: {{slope_threshold: 1000.0}}}}
         async: {{max_pending: {max_pending}}}
-        observability: {{tensorboard: {str(tb).lower()}, decision_log: false}}
+        observability: {{tensorboard: {str(tb).lower()}, decision_log: {str(tb).lower()}}}
         """))
     return cfg
 
@@ -218,7 +219,7 @@ def test_all_checkpoints_corrupt_is_an_error_not_a_fresh_start(tmp_path: Path) -
     again.pilot.close()
 
 
-def test_tensorboard_scalars_are_written(tmp_path: Path) -> None:
+def test_tensorboard_scalars_and_decision_log_are_written(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     job = Job(tmp_path, interval=2, tb=True)
@@ -228,9 +229,20 @@ def test_tensorboard_scalars_are_written(tmp_path: Path) -> None:
     acc = EventAccumulator(str(job.run_dir / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"checkpoint/save_seconds", "checkpoint/bytes", "checkpoint/stall_seconds"} <= tags
+    assert {"checkpoint/save_seconds", "checkpoint/bytes", "checkpoint/stall_seconds",
+            "checkpoint/score", "checkpoint/interval", "checkpoint/level",
+            "checkpoint/signal_loss", "checkpoint/signal_grad",
+            "checkpoint/signal_system"} <= tags
     assert [e.step for e in acc.Scalars("checkpoint/bytes")] == [2, 4]
     assert all(e.value > 0 for e in acc.Scalars("checkpoint/bytes"))
+    assert [(e.step, e.value) for e in acc.Scalars("checkpoint/level")
+            if e.value > 0] == [(2, 1.0), (4, 1.0)]  # pulses
+    decisions = [json.loads(line) for line in
+                 (job.run_dir / "decisions_rank_00000.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in decisions] == [1, 2, 3, 4]
+    assert [d["save"] for d in decisions] == [False, True, False, True]
+    assert set(decisions[0]) == {"step", "save", "level", "interval", "score", "signals",
+                                 "retention_class", "reason"}
 
 
 MEMORY_PROBE = """
@@ -262,3 +274,39 @@ def test_peak_host_memory_stays_within_the_in_flight_bound(tmp_path: Path) -> No
     # The live model is already counted in the baseline: the pilot may add at most
     # max_pending snapshots, and the bound of the issue, (max_pending + 1) x state, in total.
     assert growth <= max_pending * state + (32 << 20), (growth / state)
+
+
+def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import ckptpilot.pilot as pilot_module
+    from ckptpilot.storage.metadata import MetadataStore
+
+    original = pilot_module.stage_organ
+
+    def stage_then_rot(tier, snapshot, **kw):  # type: ignore[no-untyped-def]
+        staged = original(tier, snapshot, **kw)
+        if snapshot.step == 4:  # the disk flips a bit after the write returned
+            path = Path(tier.path(staged.staging, archive.TENSORS_FILE))
+            data = bytearray(path.read_bytes())
+            data[-2] ^= 0x20
+            path.write_bytes(bytes(data))
+        return staged
+
+    monkeypatch.setattr(pilot_module, "stage_organ", stage_then_rot)
+    job = Job(tmp_path, interval=2)
+    for _ in range(5):
+        job.step()
+    job.pilot.close()
+    assert [(r.step, r.status) for r in job.pilot.saves] == [(2, "valid"), (4, "corrupted")]
+    assert any("ALERT" in r.message and "step 4" in r.message for r in caplog.records)
+    assert job.published() == [2]
+    assert any(p.name.startswith("step_00000004_rank_00000.corrupted-")
+               for p in (job.run_dir / "checkpoints").iterdir())
+    with MetadataStore(job.run_dir / "metadata.sqlite") as store:
+        row = store.get(("run", 4, 0, "remote"))
+        assert row is not None and row.status.value == "corrupted"
+        assert "SHA256" in row.note
+    again = Job(tmp_path, interval=2)
+    assert again.pilot.restore() == 2
+    again.pilot.close()
