@@ -463,7 +463,8 @@ class CheckpointPilot:
                 location, status = self.remote.path(staged.name), Status.VALID
                 self.store.mark(key, status, location=location, seconds_validate=check.seconds)
             else:
-                location = self.remote.path(self.remote.set_aside(staged.staging, "corrupted"))
+                location = self.remote.path(self.remote.set_aside(
+                    staged.staging, "corrupted", label=staged.name))
                 status = Status.CORRUPTED
                 self.store.mark(key, status, location=location, seconds_validate=check.seconds,
                                 note=check.reason)

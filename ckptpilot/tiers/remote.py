@@ -78,10 +78,11 @@ class RemoteTier:
             log.warning("checkpoint %s already exists; moved it aside to %s", final, aside)
         self._rename(self.path(staging), self.path(final))
 
-    def set_aside(self, name: str, why: str) -> str:
-        """Rename ``name`` to ``{name}.{why}-{random}``, a name no listing takes for a
-        checkpoint; returns the new name. Keeps evidence instead of deleting it."""
-        aside = f"{name}.{why}-{uuid.uuid4().hex[:8]}"
+    def set_aside(self, name: str, why: str, *, label: str | None = None) -> str:
+        """Rename ``name`` to ``{label or name}.{why}-{random}``, a name no listing takes for
+        a checkpoint (nor for staging debris); returns the new name. Keeps evidence instead
+        of deleting it."""
+        aside = f"{label or name}.{why}-{uuid.uuid4().hex[:8]}"
         self._rename(self.path(name), self.path(aside))
         return aside
 
