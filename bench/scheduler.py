@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
-from ckptpilot.demo import BATCH, CONTEXT, CharTransformer, stdlib_text
+from ckptpilot.demo import BATCH, CONTEXT, build_demo_job
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,21 +121,9 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
 
 
 def demo_workload(total_steps: int) -> Workload:
-    torch.manual_seed(0)
-    text = stdlib_text()
-    sampler = ResumableSampler(len(text) - CONTEXT - 1, seed=0)
-    model = CharTransformer()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=total_steps,
-                                                pct_start=0.1)
-    offsets = torch.arange(CONTEXT + 1)
-
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        windows = text[sampler.take(BATCH)[:, None] + offsets].long()
-        return windows[:, :-1], windows[:, 1:]
-
-    return Workload("demo CharTransformer", model, opt, sched, sampler,
-                    _train_step(model, opt, sched, batch, 256), warmup=3)
+    job = build_demo_job(total_steps)
+    return Workload("demo CharTransformer", job.model, job.opt, job.sched, job.sampler,
+                    lambda: job.train_step()[0], warmup=3)
 
 
 def tiny_workload(total_steps: int) -> Workload:

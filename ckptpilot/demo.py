@@ -27,6 +27,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from ckptpilot.sampler import ResumableSampler
+
 DEMO_MARKER = ".ckptpilot-demo"
 DEMO_POLICY = """\
 # Written by `ckptpilot demo` (no --config given): the reference policy with a short
@@ -77,6 +79,42 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(h))
 
 
+@dataclass
+class DemoJob:
+    """The demo's model, optimizer, schedule and data cursor, seeded: the same every time."""
+
+    text: torch.Tensor
+    sampler: ResumableSampler
+    model: CharTransformer
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    offsets: torch.Tensor
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step up to the pilot: returns (loss, grad norm before clipping)."""
+        windows = self.text[self.sampler.take(BATCH)[:, None] + self.offsets].long()
+        logits = self.model(windows[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 256),
+                                           windows[:, 1:].reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        return loss, grad_norm
+
+
+def build_demo_job(steps: int) -> DemoJob:
+    torch.manual_seed(0)
+    text = stdlib_text()
+    model = CharTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps,
+                                                pct_start=0.1)
+    return DemoJob(text, ResumableSampler(len(text) - CONTEXT - 1, seed=0), model, opt, sched,
+                   torch.arange(CONTEXT + 1))
+
+
 def _emit(out: TextIO, event: str, **fields: Any) -> None:
     out.write(json.dumps({"event": event, **fields}) + "\n")
     out.flush()
@@ -84,20 +122,13 @@ def _emit(out: TextIO, event: str, **fields: Any) -> None:
 
 def train_child(run_dir: Path, config: Path, steps: int) -> None:
     """Train with a pilot until ``steps``; restores first, so a second start resumes."""
-    from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
+    from ckptpilot import CheckpointPilot, load_policy
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    torch.manual_seed(0)
-    text = stdlib_text()
-    sampler = ResumableSampler(len(text) - CONTEXT - 1, seed=0)
-    model = CharTransformer()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps,
-                                                pct_start=0.1)
-    offsets = torch.arange(CONTEXT + 1)
+    job = build_demo_job(steps)
     out = sys.stdout
-    pilot = CheckpointPilot(load_policy(config, run_dir=run_dir), model=model, optimizer=opt,
-                            lr_scheduler=sched, data_state=sampler)
+    pilot = CheckpointPilot(load_policy(config, run_dir=run_dir), model=job.model,
+                            optimizer=job.opt, lr_scheduler=job.sched, data_state=job.sampler)
     start = pilot.restore()
     rec = pilot.last_recovery
     assert rec is not None
@@ -108,14 +139,7 @@ def train_child(run_dir: Path, config: Path, steps: int) -> None:
     tb = SummaryWriter(log_dir=str(pilot.run_dir / "tensorboard"))
     reported = 0
     for step in range(start, steps):
-        windows = text[sampler.take(BATCH)[:, None] + offsets].long()
-        logits = model(windows[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), windows[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss, grad_norm = job.train_step()
         decision = pilot.observe(loss, grad_norm=grad_norm)
         value = loss.item()
         tb.add_scalar("train/loss", value, step + 1)
