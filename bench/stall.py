@@ -313,8 +313,10 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     print("pilot stalls (s): " + ", ".join(f"{s:.3f}" for s in stalls)
           + "; pilot's own SaveRecord.stall_seconds: "
           + ", ".join(f"{r.stall_seconds:.3f}" for r in records))
-    print("pilot background persist (s): "
-          + ", ".join(f"{r.persist_seconds:.3f}" for r in records))
+    print("pilot background persist (s, write + validate + publish): "
+          + ", ".join(f"{r.persist_seconds:.3f}" for r in records)
+          + "; of which validation in the load-test worker (s): "
+          + ", ".join(f"{r.validate_seconds:.3f}" for r in records))
     print("torch.save (s): " + ", ".join(f"{s:.3f}" for s in plain)
           + "; torch.save + fsync (s): " + ", ".join(f"{s:.3f}" for s in synced))
     print("restore (s): pilot " + ", ".join(f"{s:.3f}" for s in restores_pilot)

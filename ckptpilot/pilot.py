@@ -56,7 +56,7 @@ from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision, Level
-from ckptpilot.scheduler.health import GpuHealthProvider, HealthMonitor
+from ckptpilot.scheduler.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
 from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
 from ckptpilot.scheduler.ledger import FailureLedger
 from ckptpilot.state import HostBufferPool, Snapshot, Stateful, TrainingComponents, apply, capture
@@ -77,7 +77,6 @@ log = logging.getLogger("ckptpilot")
 
 _COST_KEYS = ("save_seconds", "mtbf_seconds", "step_seconds")
 _STEP_TIME_ALPHA = 0.05
-_FROM_POLICY: Any = object()
 
 
 class RecoverySource(str, Enum):
@@ -156,7 +155,7 @@ class CheckpointPilot:
                  lr_scheduler: Stateful | None = None, scaler: Stateful | None = None,
                  data_state: Stateful | None = None, run_dir: str | os.PathLike[str] | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 gpu_health: GpuHealthProvider | None = _FROM_POLICY) -> None:
+                 gpu_health: GpuHealthProvider | None = FROM_POLICY) -> None:
         if isinstance(policy, Policy):
             self.policy = policy.with_run_dir(run_dir) if run_dir is not None else policy
         else:
@@ -197,10 +196,8 @@ class CheckpointPilot:
         self._run_started = False
         self._health: HealthMonitor | None = None
         if self.policy.scheduler.weights.system > 0:
-            self._health = (HealthMonitor(self.run_dir, self.policy.scheduler.system)
-                            if gpu_health is _FROM_POLICY else
-                            HealthMonitor(self.run_dir, self.policy.scheduler.system,
-                                          provider=gpu_health))
+            self._health = HealthMonitor(self.run_dir, self.policy.scheduler.system,
+                                         provider=gpu_health)
             self._health.start()
         self._distributed = (self.world_size > 1 and torch.distributed.is_available()
                              and torch.distributed.is_initialized())
