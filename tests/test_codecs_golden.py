@@ -1,0 +1,176 @@
+"""Golden files: blobs and a container written by an earlier ckptpilot must decode forever.
+
+The tests only read ``tests/fixtures/codecs/`` and compare with tensors rebuilt from integer
+arithmetic (no RNG or float library whose output could drift between versions). To add
+fixtures for a new codec or format version, run ``python tests/test_codecs_golden.py``; it
+writes only the files that are missing and never rewrites an existing one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptpilot.codecs import (
+    Codec,
+    blob_info,
+    byteplane,
+    decode_blob,
+    get_codec,
+    read_container,
+    write_container,
+)
+from ckptpilot.codecs.container import CodecFor
+
+FIXTURES = Path(__file__).parent / "fixtures" / "codecs"
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def words(n: int, seed: int) -> np.ndarray:
+    """``n`` pseudo-random uint64 words (splitmix64), defined by integer arithmetic alone."""
+    with np.errstate(over="ignore"):
+        z = (np.arange(1, n + 1, dtype=np.uint64) + np.uint64(seed)) * np.uint64(
+            0x9E3779B97F4A7C15
+        )
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) & _MASK
+
+
+def trained_fp32(n: int, seed: int) -> torch.Tensor:
+    """Weight-like fp32 bit patterns: random sign and mantissa, exponents 2^-9 .. 2^-4."""
+    w = words(n, seed)
+    sign = (w >> np.uint64(63)) << np.uint64(31)
+    exponent = (np.uint64(118) + (w >> np.uint64(40)) % np.uint64(6)) << np.uint64(23)
+    mantissa = w & np.uint64(0x7FFFFF)
+    value = (sign | exponent | mantissa).astype(np.uint32)
+    value[::17] = 0x7FC00001  # a NaN with a payload
+    value[5::19] = 0x80000000  # -0.0
+    value[7::23] = 0x00000003  # a subnormal
+    return torch.from_numpy(value.view(np.int32).copy()).view(torch.float32)
+
+
+def nudged(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """The tensor with a few low mantissa bits flipped, like one small optimizer step."""
+    flips = (words(tensor.numel(), seed) & np.uint64(0x1F)).astype(np.int32)
+    bits = tensor.reshape(-1).view(torch.int32) ^ torch.from_numpy(flips)
+    return bits.view(torch.float32).reshape(tensor.shape)
+
+
+def counters(n: int) -> torch.Tensor:
+    return torch.from_numpy((np.arange(n, dtype=np.int64) * 3) // 7)
+
+
+def golden_cases() -> dict[str, tuple[Codec, torch.Tensor, torch.Tensor | None]]:
+    """File stem -> (codec, tensor, base)."""
+    base = trained_fp32(600, 7).reshape(20, 30)
+    bf16 = torch.from_numpy((words(301, 3) >> np.uint64(48)).astype(np.int16)).view(
+        torch.bfloat16
+    )
+    return {
+        "raw": (get_codec("raw"), trained_fp32(15, 1).reshape(3, 5), None),
+        "zstd": (get_codec("zstd"), counters(400), None),
+        "byteplane": (get_codec("byteplane"), trained_fp32(1000, 2).reshape(10, 100), None),
+        "byteplane_bf16": (get_codec("byteplane"), bf16, None),
+        "byteplane_chunked": (get_codec("byteplane"), trained_fp32(333, 4), None),
+        "xor_delta": (get_codec("xor_delta"), nudged(base, 8), base),
+        "prefix_index": (get_codec("prefix_index"), trained_fp32(2000, 5), None),
+        "prefix_index_fixed": (
+            get_codec("prefix_index", entropy=False, groups=4), trained_fp32(2000, 6), None
+        ),
+        "prefix_index_fallback": (get_codec("prefix_index"), counters(50).double(), None),
+        "auto": (get_codec("auto", bandwidth_bytes_per_s=1e6), counters(3000), None),
+    }
+
+
+def golden_container_state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    base = {"w": trained_fp32(256, 11).reshape(16, 16)}
+    state = {
+        "w": nudged(base["w"], 12),
+        "exp_avg": trained_fp32(256, 13),
+        "step": torch.tensor(42, dtype=torch.int64),
+        "mask": torch.from_numpy((words(9, 14) & np.uint64(1)).astype(np.bool_)),
+    }
+    return state, base
+
+
+GOLDEN_META = {"step": 42, "epoch": 3, "rng": {"python": [1, 2, 3]}, "note": "golden v1"}
+
+
+def container_codec_for(base: dict[str, torch.Tensor]) -> CodecFor:
+    def codec_for(name: str, tensor: torch.Tensor) -> tuple[Codec, torch.Tensor | None]:
+        if name in base:
+            return get_codec("xor_delta"), base[name]
+        return get_codec("prefix_index" if name == "exp_avg" else "byteplane"), None
+
+    return codec_for
+
+
+def assert_bit_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_golden_blob_decodes_to_the_same_tensor(name: str) -> None:
+    codec, tensor, base = golden_cases()[name]
+    blob = (FIXTURES / f"{name}.blob").read_bytes()
+    assert blob_info(blob).codec in name or name == "auto"
+    assert_bit_equal(codec.decode(blob, base), tensor)
+    assert_bit_equal(decode_blob(blob, base), tensor)
+
+
+def test_golden_blobs_cover_the_layouts_they_claim() -> None:
+    def params(name: str) -> dict[str, object]:
+        return blob_info((FIXTURES / f"{name}.blob").read_bytes()).params
+
+    assert params("byteplane_chunked")["chunk"] == 16
+    assert params("prefix_index")["mode"] == "table" and params("prefix_index")["entropy"]
+    assert params("prefix_index_fixed")["entropy"] is False
+    assert params("prefix_index_fallback")["mode"] == "byteplane"
+
+
+def test_golden_container_reads_back() -> None:
+    state, base = golden_container_state()
+    with (FIXTURES / "container.ckpc").open("rb") as src:
+        tensors, meta = read_container(src, base)
+    assert meta == GOLDEN_META
+    assert list(tensors) == list(state)
+    for name, tensor in state.items():
+        assert_bit_equal(tensors[name], tensor)
+
+
+def write_missing_fixtures() -> list[Path]:
+    """Write the fixtures that do not exist yet; returns the paths written."""
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    created = []
+    for name, (codec, tensor, base) in golden_cases().items():
+        path = FIXTURES / f"{name}.blob"
+        if not path.exists():
+            chunk = 64 if name == "byteplane_chunked" else byteplane.CHUNK_BYTES
+            saved, byteplane.CHUNK_BYTES = byteplane.CHUNK_BYTES, chunk
+            try:
+                path.write_bytes(codec.encode(tensor, base))
+            finally:
+                byteplane.CHUNK_BYTES = saved
+            created.append(path)
+    path = FIXTURES / "container.ckpc"
+    if not path.exists():
+        state, base = golden_container_state()
+        buffer = io.BytesIO()
+        write_container(buffer, state, GOLDEN_META, container_codec_for(base))
+        path.write_bytes(buffer.getvalue())
+        created.append(path)
+    return created
+
+
+if __name__ == "__main__":
+    written = write_missing_fixtures()
+    json.dump([str(p) for p in written], sys.stdout, indent=1)
+    print()
