@@ -1,0 +1,464 @@
+"""Compression ratio and per-core throughput of the ckptpilot codecs on real training states.
+
+Issue 5, item 9. Each regime is a real short training run of the demo's byte-level
+``CharTransformer`` on the standard library's source text (``ckptpilot.demo.stdlib_text``):
+
+(a) ``adamw``: AdamW (lr 3e-3, weight decay 0.01, one-cycle schedule) from scratch;
+(b) ``frozen``: fine-tuning the model trained in (a) with the first ~90 % of its parameters
+    (in ``named_parameters`` order: embeddings and the first blocks) frozen
+    (``requires_grad=False``) and a fresh AdamW on the rest;
+(c) ``sgd``: SGD with momentum 0.9, no weight decay, from scratch;
+(d) ``bf16``: bf16 copies of the weights of (a) (the moments of a bf16 run stay fp32: see (a)).
+
+Every regime trains ``--warmup`` steps, then snapshots the state at steps s, s+1, s+25 and
+s+100. A "tensor class" is all tensors of one kind (weights, exp_avg, exp_avg_sq, or SGD's
+momentum_buffer) flattened and concatenated into one tensor, so that throughput is measured on
+megabytes, not on the model's many small tensors. Per class and codec:
+
+- ratio = raw bytes / encoded bytes. Delta codecs (``xor_delta``, ``auto`` given a base, and
+  the XOR baseline) encode the snapshot at s+k against the snapshot at s (columns Δ1, Δ25,
+  Δ100); the others encode the snapshot at s+25 (one value, in the Δ25 column);
+- encode and decode MB/s per core: codecs built with ``threads=1``, best of ``--repeats``
+  timed runs on the s+25 snapshot (against s for delta codecs); MB = 1e6 raw bytes;
+- baselines in the same run, on the same bytes: zstd level 3 on the raw bytes
+  (``zstd-3``), byte-shuffle + zstd-3 (NumPy view ``(n, itemsize)``, ``.T`` copy, then
+  zstd-3) and, for the delta columns, the same byte shuffle of the XOR delta
+  (``xor+shuffle+zstd-3``). Every decode is checked bit for bit. Column "vs baseline":
+  the codec's Δ25 ratio over the best non-delta baseline (delta codecs: over
+  ``xor+shuffle+zstd-3``).
+
+Then, per regime, the end-to-end time of a pulse-like save of the whole state at s+25 (every
+tensor of every class as its own entry, plus the step as JSON meta) with ``write_container``
+to a file in a local directory, flushed and ``os.fsync``'ed: ``auto`` (weights against the
+snapshot at s as base, so ``xor_delta`` is a candidate; the rest without base) vs all-``raw``;
+codecs with their default threads (all cores). ``auto`` gets the disk's bandwidth as measured
+by the raw saves of the same regime. Median over max(5, ``--repeats``) saves each, raw and
+auto interleaved in alternating order; the file is
+read back once with ``read_container`` and checked bit for bit (untimed).
+
+Usage: ``.venv/bin/python bench/codecs.py [--quick] [--dim 256 --layers 4] [--dir DIR]``
+(``--quick``: the demo-size model, 128 x 2, and fewer warm-up steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from ckptpilot.codecs import (
+    blob_info,
+    decode_blob,
+    get_codec,
+    read_container,
+    write_container,
+)
+from ckptpilot.demo import CONTEXT, CharTransformer, DemoJob, stdlib_text
+from ckptpilot.sampler import ResumableSampler
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = REPO / ".bench-tmp"
+DELTAS = (1, 25, 100)
+CODECS = ("raw", "zstd", "byteplane", "xor_delta", "prefix_index", "auto")
+BASELINES = ("zstd-3", "shuffle+zstd-3", "xor+shuffle+zstd-3")
+DELTA_METHODS = {"xor_delta", "auto", "xor+shuffle+zstd-3"}
+FROZEN_FRACTION = 0.9
+# Goals of issue 5 (ratios measured there on a 7.3 M-parameter transformer).
+GOAL_RATIOS = {"weights": ("xor_delta", 1.35), "exp_avg": ("byteplane", 1.17),
+               "exp_avg_sq": ("xor_delta", 1.29)}
+GOAL_ENCODE_MBS, GOAL_DECODE_MBS, GOAL_FROZEN = 2000.0, 3000.0, 8.0
+
+Snapshots = dict[int, dict[str, dict[str, torch.Tensor]]]  # step -> class -> name -> tensor
+
+
+# -- training -------------------------------------------------------------------------------
+
+def make_job(text: torch.Tensor, dim: int, layers: int, steps: int,
+             opt_kind: str, model: CharTransformer | None = None) -> DemoJob:
+    """A seeded demo job with a model of ``dim`` x ``layers`` and the given optimizer."""
+    torch.manual_seed(0)
+    if model is None:
+        model = CharTransformer(dim=dim, layers=layers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if opt_kind == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9,
+                                                     weight_decay=0.0)
+        lr = 0.05
+    else:
+        opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+        lr = 3e-3
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
+                                                pct_start=0.1)
+    return DemoJob(text, ResumableSampler(len(text) - CONTEXT - 1, seed=0), model, opt, sched,
+                   torch.arange(CONTEXT + 1))
+
+
+def capture(job: DemoJob) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies of the weights and every optimizer state tensor, by class and parameter name."""
+    names = {id(p): n for n, p in job.model.named_parameters()}
+    out: dict[str, dict[str, torch.Tensor]] = {"weights": {}}
+    for name, p in job.model.named_parameters():
+        out["weights"][name] = p.detach().clone()
+    for p, state in job.opt.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                out.setdefault(key, {})[names[id(p)]] = value.detach().clone()
+    return out
+
+
+def train(job: DemoJob, warmup: int) -> tuple[Snapshots, list[float], float]:
+    """Train ``warmup + 100`` steps; snapshots at warmup + 0/1/25/100. Returns losses too."""
+    wanted = {warmup + k for k in (0, *DELTAS)}
+    snaps: Snapshots = {}
+    losses = []
+    start = time.perf_counter()
+    for step in range(1, warmup + max(DELTAS) + 1):
+        loss, _ = job.train_step()
+        losses.append(loss.item())
+        if step in wanted:
+            snaps[step] = capture(job)
+    return snaps, losses, time.perf_counter() - start
+
+
+# -- measurement ----------------------------------------------------------------------------
+
+def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors.values()])
+
+
+def shuffle(arr: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(arr.reshape(-1, itemsize).T)
+
+
+def unshuffle(arr: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+@dataclass
+class Row:
+    cls: str
+    method: str
+    ratios: dict[int, float] = field(default_factory=dict)
+    encode_mbs: float = 0.0
+    decode_mbs: float = 0.0
+    note: str = ""
+
+
+def baseline_encode(method: str, data: np.ndarray, base: np.ndarray | None,
+                    itemsize: int) -> bytes:
+    zc = zstandard.ZstdCompressor(level=3)
+    if method == "zstd-3":
+        return zc.compress(data)
+    if method == "shuffle+zstd-3":
+        return zc.compress(shuffle(data, itemsize))
+    assert base is not None
+    delta = np.bitwise_xor(data, base)
+    return zc.compress(shuffle(delta, itemsize))
+
+
+def baseline_decode(method: str, blob: bytes, base: np.ndarray | None,
+                    itemsize: int) -> np.ndarray:
+    raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob), np.uint8)
+    if method == "zstd-3":
+        return raw
+    out = unshuffle(raw, itemsize)
+    if method == "shuffle+zstd-3":
+        return out
+    assert base is not None
+    return np.bitwise_xor(out, base)
+
+
+def measure_class(cls: str, series: dict[int, torch.Tensor], s: int, repeats: int,
+                  auto_bw: float) -> list[Row]:
+    """Ratios and per-core throughput of every codec and baseline on one tensor class."""
+    base_t, target_t = series[s], series[s + 25]
+    nbytes = target_t.numel() * target_t.element_size()
+    itemsize = target_t.element_size()
+    rows = []
+    for method in CODECS + BASELINES:
+        delta = method in DELTA_METHODS
+        row = Row(cls, method)
+        if method in CODECS:
+            params: dict[str, object] = {} if method == "raw" else {"threads": 1}
+            if method == "auto":
+                params["bandwidth_bytes_per_s"] = auto_bw
+            codec = get_codec(method, **params)
+            for k in DELTAS if delta else (25,):
+                blob = codec.encode(series[s + k], series[s] if delta else None)
+                row.ratios[k] = nbytes / len(blob)
+                if method == "auto":
+                    row.note += f"{'' if not row.note else ', '}Δ{k}: {blob_info(blob).codec}"
+                back = decode_blob(blob, series[s] if delta else None, threads=1)
+                if not np.array_equal(as_bytes(back), as_bytes(series[s + k])):
+                    raise AssertionError(f"{cls} {method} Δ{k}: decode is not bit-exact")
+            enc_s, blob = best_time(lambda c=codec, d=delta: c.encode(
+                target_t, base_t if d else None), repeats)
+            dec_s, _ = best_time(lambda b=blob, d=delta: decode_blob(
+                b, base_t if d else None, threads=1), repeats)
+        else:
+            base_np = as_bytes(base_t)
+            for k in DELTAS if delta else (25,):
+                data = as_bytes(series[s + k])
+                blob = baseline_encode(method, data, base_np, itemsize)
+                row.ratios[k] = nbytes / len(blob)
+                back = baseline_decode(method, blob, base_np, itemsize)
+                if not np.array_equal(back, data):
+                    raise AssertionError(f"{cls} {method} Δ{k}: decode is not bit-exact")
+            data = as_bytes(target_t)
+            enc_s, blob = best_time(lambda m=method, d=data, b=base_np: baseline_encode(
+                m, d, b, itemsize), repeats)
+            dec_s, _ = best_time(lambda m=method, e=blob, b=base_np: baseline_decode(
+                m, e, b, itemsize), repeats)
+        row.encode_mbs = nbytes / enc_s / 1e6
+        row.decode_mbs = nbytes / dec_s / 1e6
+        rows.append(row)
+    return rows
+
+
+def fsync_write(path: Path, write: Callable[[object], object]) -> tuple[float, object]:
+    os.sync()
+    if path.exists():
+        path.unlink()
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        result = write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start, result
+
+
+@dataclass
+class EndToEnd:
+    raw_s: float
+    auto_s: float
+    raw_bytes: int
+    auto_bytes: int
+    bandwidth: float
+    auto_codecs: dict[str, int]
+
+
+def end_to_end(snaps: Snapshots, s: int, workdir: Path, repeats: int) -> EndToEnd:
+    """Container save of the state at s+25: all-raw vs auto (weights against the state at s)."""
+    state, prev = snaps[s + 25], snaps[s]
+    tensors = {f"{cls}/{name}": t for cls, group in state.items() for name, t in group.items()}
+    bases = {f"weights/{name}": t for name, t in prev["weights"].items()}
+    raw = get_codec("raw")
+    meta = {"step": s + 25}
+    path = workdir / "pulse.ckpt"
+    raw_times, auto_times = [], []
+    raw_index = auto_index = None
+    # Warm-up raw save (untimed) to measure the disk for auto's bandwidth.
+    t, raw_index = fsync_write(path, lambda f: write_container(
+        f, tensors, meta, lambda n, x: (raw, None)))
+    bandwidth = raw_index.raw_bytes / t
+    auto = get_codec("auto", bandwidth_bytes_per_s=bandwidth)
+
+    def auto_for(name: str, tensor: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        return auto, bases.get(name)
+
+    for i in range(2 * repeats):  # interleaved, order alternating
+        if (i + i // 2) % 2 == 0:
+            t, raw_index = fsync_write(path, lambda f: write_container(
+                f, tensors, meta, lambda n, x: (raw, None)))
+            raw_times.append(t)
+        else:
+            t, auto_index = fsync_write(path, lambda f: write_container(
+                f, tensors, meta, auto_for))
+            auto_times.append(t)
+    with open(path, "rb") as f:
+        back, back_meta = read_container(f, bases)
+    for name, tensor in tensors.items():
+        if not np.array_equal(as_bytes(back[name]), as_bytes(tensor)):
+            raise AssertionError(f"container round trip of {name} is not bit-exact")
+    assert back_meta == meta and raw_index is not None and auto_index is not None
+    chosen: dict[str, int] = {}
+    for entry in auto_index.tensors:
+        chosen[entry.codec] = chosen.get(entry.codec, 0) + 1
+    return EndToEnd(statistics.median(raw_times), statistics.median(auto_times),
+                    raw_index.encoded_bytes, auto_index.encoded_bytes, bandwidth, chosen)
+
+
+# -- output ---------------------------------------------------------------------------------
+
+def best_baseline(rows: list[Row], cls: str, k: int,
+                  delta: bool | None = None) -> tuple[str, float]:
+    """The best baseline ratio at Δk: of all, or only the delta (non-delta) ones."""
+    cands = [(r.method, r.ratios[k]) for r in rows
+             if r.cls == cls and r.method in BASELINES and k in r.ratios
+             and (delta is None or (r.method in DELTA_METHODS) == delta)]
+    return max(cands, key=lambda c: c[1])
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| class | codec | ratio Δ1 | ratio Δ25 | ratio Δ100 | vs baseline (Δ25) "
+           "| encode MB/s/core | decode MB/s/core | note |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        cells = [f"{r.ratios[k]:.3f}" if k in r.ratios else "–" for k in DELTAS]
+        _, best = best_baseline(rows, r.cls, 25, r.method in DELTA_METHODS)
+        rel = f"{r.ratios[25] / best:.3f}x" if r.method in CODECS else "–"
+        method = f"*{r.method}*" if r.method in BASELINES else r.method
+        out.append(f"| {r.cls} | {method} | {' | '.join(cells)} | {rel} | "
+                   f"{r.encode_mbs:,.0f} | {r.decode_mbs:,.0f} | {r.note} |")
+    return "\n".join(out)
+
+
+def row(rows: list[Row], cls: str, method: str) -> Row:
+    return next(r for r in rows if r.cls == cls and r.method == method)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="demo-size model (128 x 2) and 40 warm-up steps")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    a = p.parse_args()
+    dim = a.dim or (128 if a.quick else 256)
+    layers = a.layers or (2 if a.quick else 4)
+    warmup = a.warmup or (40 if a.quick else 60)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    t_start = time.perf_counter()
+    print(f"command: {shlex.join([sys.executable.replace(str(REPO) + '/', ''), *sys.argv])}")
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
+    print(f"torch {torch.__version__}, python {platform.python_version()}, zstandard "
+          f"{zstandard.__version__}, {os.cpu_count()} CPUs (torch threads "
+          f"{torch.get_num_threads()}), {platform.processor() or platform.machine()}")
+    a.dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="codecs-", dir=a.dir))
+    print(f"disk dir: {workdir}")
+    text = stdlib_text()
+    n_params = sum(p.numel() for p in CharTransformer(dim=dim, layers=layers).parameters())
+    print(f"model: CharTransformer(dim={dim}, layers={layers}), {n_params:,} params "
+          f"({n_params * 4 / 1e6:.1f} MB fp32 per tensor class); batch 32 x context {CONTEXT}; "
+          f"snapshots at s = warmup ({warmup}) and s+1, s+25, s+100")
+    print("ratio = raw bytes / encoded bytes; MB/s per core = 1e6 raw bytes per second, codecs "
+          f"with threads=1, best of {a.repeats}; auto gets the disk bandwidth measured below")
+    total = warmup + max(DELTAS)
+    regimes: dict[str, tuple[Snapshots, str]] = {}
+
+    job = make_job(text, dim, layers, total, "adamw")
+    snaps, losses, secs = train(job, warmup)
+    regimes["(a) AdamW full training"] = (snaps, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                                          f"{total} steps in {secs:.1f} s")
+    trained = job.model
+
+    bf16: Snapshots = {step: {"weights": {n: t.to(torch.bfloat16) for n, t in
+                                          st["weights"].items()}} for step, st in snaps.items()}
+    # (b) fine-tune from (a)'s end with the first ~90 % of the parameters frozen.
+    frozen_names, seen = set(), 0
+    for name, param in trained.named_parameters():
+        if seen + param.numel() <= FROZEN_FRACTION * n_params:
+            param.requires_grad_(False)
+            frozen_names.add(name)
+            seen += param.numel()
+    ft = make_job(text, dim, layers, total, "adamw", model=trained)
+    ft.sampler = ResumableSampler(len(text) - CONTEXT - 1, seed=1)
+    snaps_b, losses_b, secs_b = train(ft, warmup)
+    frozen_note = (f"{seen / n_params:.1%} of the params frozen ({len(frozen_names)} tensors: "
+                   f"embeddings + first blocks); loss {losses_b[0]:.3f} -> {losses_b[-1]:.3f}, "
+                   f"{total} steps in {secs_b:.1f} s")
+    for st in snaps_b.values():
+        st["frozen weights"] = {n: t for n, t in st["weights"].items() if n in frozen_names}
+    regimes["(b) fine-tuning, ~90 % frozen"] = (snaps_b, frozen_note)
+
+    sgd = make_job(text, dim, layers, total, "sgd")
+    snaps_c, losses_c, secs_c = train(sgd, warmup)
+    regimes["(c) SGD + momentum 0.9, no weight decay"] = (
+        snaps_c, f"lr 0.05 one-cycle; loss {losses_c[0]:.3f} -> {losses_c[-1]:.3f}, "
+        f"{total} steps in {secs_c:.1f} s")
+    regimes["(d) bf16 weights (bf16 copies of (a)'s weights)"] = (bf16, "same steps as (a)")
+
+    results: dict[str, tuple[list[Row], EndToEnd | None]] = {}
+    for title, (rsnaps, note) in regimes.items():
+        e2e = None
+        if not title.startswith("(d)"):
+            e2e = end_to_end(rsnaps, warmup, workdir, max(5, a.repeats))
+        bw = e2e.bandwidth if e2e else results["(a) AdamW full training"][1].bandwidth
+        rows = []
+        for cls in rsnaps[warmup]:
+            series = {step: flat(st[cls]) for step, st in rsnaps.items()}
+            rows += measure_class(cls, series, warmup, a.repeats, bw)
+        results[title] = (rows, e2e)
+        print(f"\n### {title}\n\n{note}\n\n{table(rows)}")
+        if e2e:
+            print(f"\nend to end, container of the state at s+25 to {workdir} (write + fsync, "
+                  f"median of {max(5, a.repeats)}): raw {e2e.raw_s * 1e3:.1f} ms "
+                  f"({e2e.raw_bytes / 1e6:.2f} MB), auto {e2e.auto_s * 1e3:.1f} ms "
+                  f"({e2e.auto_bytes / 1e6:.2f} MB, ratio {e2e.raw_bytes / e2e.auto_bytes:.3f});"
+                  f" auto/raw time {e2e.auto_s / e2e.raw_s:.2f}x; auto bandwidth "
+                  f"{e2e.bandwidth / 1e9:.2f} GB/s (measured); auto chose {e2e.auto_codecs}")
+    shutil.rmtree(workdir, ignore_errors=True)
+
+    print("\n### goals (issue 5)\n")
+    rows_a = results["(a) AdamW full training"][0]
+    for cls, (method, goal) in GOAL_RATIOS.items():
+        r = row(rows_a, cls, method)
+        best_codec = max((x for x in rows_a if x.cls == cls and x.method in CODECS
+                          and x.method != "auto"), key=lambda x: x.ratios[25])
+        name, best = best_baseline(rows_a, cls, 25)
+        ok_abs = r.ratios[25] >= goal
+        ok_rel = best_codec.ratios[25] >= 0.98 * best
+        print(f"- (a) {cls}: {method} Δ25 {r.ratios[25]:.3f} (goal ≥ {goal}: "
+              f"{'met' if ok_abs else 'NOT met'}); best codec {best_codec.method} "
+              f"{best_codec.ratios[25]:.3f} vs best baseline {name} {best:.3f} = "
+              f"{best_codec.ratios[25] / best:.3f}x (within 2 %: "
+              f"{'met' if ok_rel else 'NOT met'})")
+    rows_b = results["(b) fine-tuning, ~90 % frozen"][0]
+    for cls in ("frozen weights", "weights"):
+        r = row(rows_b, cls, "xor_delta")
+        print(f"- (b) {cls}: xor_delta Δ25 {r.ratios[25]:.1f}x (goal ≥ {GOAL_FROZEN:.0f}x: "
+              f"{'met' if r.ratios[25] >= GOAL_FROZEN else 'NOT met'})")
+    speeds = [(t, r) for t, (rows, _) in results.items() for r in rows
+              if r.method in ("byteplane", "xor_delta")]
+    enc = min(speeds, key=lambda x: x[1].encode_mbs)
+    dec = min(speeds, key=lambda x: x[1].decode_mbs)
+    print(f"- byteplane/xor_delta encode ≥ {GOAL_ENCODE_MBS:,.0f} MB/s per core: slowest "
+          f"{enc[1].encode_mbs:,.0f} MB/s ({enc[1].method}, {enc[1].cls}, {enc[0][:3]}) — "
+          f"{'met' if enc[1].encode_mbs >= GOAL_ENCODE_MBS else 'NOT met'}; met in "
+          f"{sum(r.encode_mbs >= GOAL_ENCODE_MBS for _, r in speeds)}/{len(speeds)} rows")
+    print(f"- byteplane/xor_delta decode ≥ {GOAL_DECODE_MBS:,.0f} MB/s per core: slowest "
+          f"{dec[1].decode_mbs:,.0f} MB/s ({dec[1].method}, {dec[1].cls}, {dec[0][:3]}) — "
+          f"{'met' if dec[1].decode_mbs >= GOAL_DECODE_MBS else 'NOT met'}; met in "
+          f"{sum(r.decode_mbs >= GOAL_DECODE_MBS for _, r in speeds)}/{len(speeds)} rows")
+    e2es = [(t[:3], e) for t, (_, e) in results.items() if e is not None]
+    worst = max(e2es, key=lambda x: x[1].auto_s / x[1].raw_s)
+    worst_ratio = worst[1].auto_s / worst[1].raw_s
+    each = ", ".join(f"{t} {e.auto_s / e.raw_s:.2f}x" for t, e in e2es)
+    print(f"- auto never slower than raw end to end: worst auto/raw {worst_ratio:.2f}x in "
+          f"{worst[0]} — {'met' if worst_ratio <= 1.0 else 'NOT met'} ({each})")
+    print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
