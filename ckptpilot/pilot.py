@@ -204,6 +204,7 @@ class CheckpointPilot:
         self._agree_buffer: torch.Tensor | None = None
         self._agree_work: Any = None
         self._stalls: deque[float] = deque(maxlen=16)
+        self._save_cost: float | None = None  # median of the recent stalls, per save
         self._mtbf_seconds: float | None = None
         self._step_seconds: float | None = None
         self._last_observe: float | None = None
@@ -330,7 +331,7 @@ class CheckpointPilot:
             grad = float(self._grad_norm)  # type: ignore[arg-type]
             self._grad_probe_pending = False
         system = self._health.snapshot() if self._health is not None else None
-        costs = {"save_seconds": statistics.median(self._stalls) if self._stalls else None,
+        costs = {"save_seconds": self._save_cost,
                  "mtbf_seconds": self._mtbf_seconds, "step_seconds": self._step_seconds}
         if self._distributed:
             # Decide from the signals agreed over the previous step, then measure this one
@@ -407,6 +408,7 @@ class CheckpointPilot:
             raise
         stall = time.perf_counter() - t0
         self._stalls.append(stall)
+        self._save_cost = statistics.median(self._stalls)
         future = self._executor.submit(self._persist, snapshot, request, stall)
         self._inflight.append((self.step, future))
         self._last_save_step = self.step
