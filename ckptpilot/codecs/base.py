@@ -185,3 +185,16 @@ class FramedCodec(Codec):
     @abstractmethod
     def _decode(self, frame: Frame, base: torch.Tensor | None) -> np.ndarray:
         """Return the raw bytes as a fresh writable uint8 array of ``frame.nbytes``."""
+
+
+class LevelThreadsCodec(FramedCodec):
+    """A framed codec configured by a zstd ``level`` (1-22) and ``threads`` (0 = all cores)."""
+
+    def __init__(self, *, level: int = 1, threads: int = 0) -> None:
+        self.level = check_int(self.codec_id, "level", level, 1, 22)
+        self.threads = check_int(self.codec_id, "threads", threads, 0)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"id": self.codec_id, "level": self.level, "threads": self.threads}
+

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from ckptpilot.codecs.base import (
-    FramedCodec,
-    check_int,
+    LevelThreadsCodec,
     lane,
     parallel_map,
     resolve_threads,
@@ -186,21 +185,13 @@ def _check_segments(frame: Frame, raw: list[Any], itemsize: int) -> list[Segment
 
 
 @register_codec
-class BytePlaneCodec(FramedCodec):
+class BytePlaneCodec(LevelThreadsCodec):
     """Byte planes; zstd at ``level`` (1 = the plane profile) on the planes that compress.
 
     ``threads`` (0 = all cores) code chunks of big tensors in parallel.
     """
 
     codec_id = "byteplane"
-
-    def __init__(self, *, level: int = 1, threads: int = 0) -> None:
-        self.level = check_int(self.codec_id, "level", level, 1, 22)
-        self.threads = check_int(self.codec_id, "threads", threads, 0)
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "level": self.level, "threads": self.threads}
 
     def _encode(
         self, tensor: torch.Tensor, base: torch.Tensor | None

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptpilot.codecs.base import FramedCodec, check_int, resolve_threads, tensor_bytes
+from ckptpilot.codecs.base import LevelThreadsCodec, resolve_threads, tensor_bytes
 from ckptpilot.codecs.blob import Frame, Section
 from ckptpilot.codecs.byteplane import decode_planes, encode_planes
 from ckptpilot.codecs.registry import register_codec
@@ -84,18 +84,10 @@ def _device_xor(tensor: torch.Tensor, base: torch.Tensor) -> np.ndarray:
 
 
 @register_codec
-class XorDeltaCodec(FramedCodec):
+class XorDeltaCodec(LevelThreadsCodec):
     """XOR against ``base``, then byte planes (``level``, ``threads`` as in ``byteplane``)."""
 
     codec_id = "xor_delta"
-
-    def __init__(self, *, level: int = 1, threads: int = 0) -> None:
-        self.level = check_int(self.codec_id, "level", level, 1, 22)
-        self.threads = check_int(self.codec_id, "threads", threads, 0)
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "level": self.level, "threads": self.threads}
 
     def _encode(
         self, tensor: torch.Tensor, base: torch.Tensor | None

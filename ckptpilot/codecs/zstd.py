@@ -12,26 +12,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptpilot.codecs.base import FramedCodec, check_int, resolve_threads, tensor_bytes
+from ckptpilot.codecs.base import LevelThreadsCodec, resolve_threads, tensor_bytes
 from ckptpilot.codecs.blob import Frame, Section
 from ckptpilot.codecs.entropy import compressor, decompress_into
 from ckptpilot.codecs.registry import register_codec
 
 
 @register_codec
-class ZstdCodec(FramedCodec):
+class ZstdCodec(LevelThreadsCodec):
     """zstd at ``level`` (1 = the byte-plane profile, see ``entropy``; 2-22 = zstd's levels);
     ``threads`` > 1 (0 = all cores) lets zstd compress big tensors with worker threads."""
 
     codec_id = "zstd"
-
-    def __init__(self, *, level: int = 1, threads: int = 0) -> None:
-        self.level = check_int(self.codec_id, "level", level, 1, 22)
-        self.threads = check_int(self.codec_id, "threads", threads, 0)
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "level": self.level, "threads": self.threads}
 
     def _encode(
         self, tensor: torch.Tensor, base: torch.Tensor | None
