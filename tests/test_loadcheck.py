@@ -118,3 +118,21 @@ def test_a_hanging_load_times_out_and_the_worker_is_replaced(tmp_path: Path) -> 
         assert lc.check(*good).ok
     finally:
         lc.close()
+
+
+def test_a_load_beyond_the_memory_bound_fails_and_the_worker_survives(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    snap = capture(TrainingComponents(torch.nn.Linear(1024, 1024)), step=1)
+    tier = RemoteTier(str(tmp_path / "ckpt"))
+    st = stage_organ(tier, snap)
+    # A bound below what decoding needs: the job hits RLIMIT_AS inside the worker.
+    lc = LoadChecker(timeout_seconds=30, memory_margin_bytes=-(2 * st.bytes + (64 << 20)))
+    try:
+        first = lc.check(tier.path(st.staging), st.manifest, model_layout(snap))
+        assert not first.ok and first.reason == "load test exceeded its memory bound"
+        pid = lc._proc.pid if lc._proc is not None else None
+        again = lc.check(tier.path(st.staging), st.manifest, model_layout(snap))
+        assert again.reason == first.reason
+        assert lc._proc is not None and lc._proc.pid == pid  # the same worker, still serving
+    finally:
+        lc.close()

@@ -162,7 +162,7 @@ def _check_header(path: Path) -> dict[str, Any]:
 def _run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     import hashlib
 
-    from safetensors import safe_open
+    from safetensors import safe_open  # imported by worker_main before any limit is set
 
     directory = Path(job["dir"])
     for fname, rec in job["files"].items() if job.get("sha256", True) else ():
@@ -215,7 +215,10 @@ def worker_main() -> None:
     """Entry point of the worker process: JSON-line jobs on stdin, replies on stdout."""
     import resource
 
+    import safetensors.torch  # noqa: F401 - load every library before the first memory limit
     import torch
+
+    from ckptpilot.storage import archive  # noqa: F401
 
     torch.set_num_threads(1)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
