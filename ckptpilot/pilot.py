@@ -68,7 +68,7 @@ from ckptpilot.storage.archive import (
     read_organ,
     stage_organ,
 )
-from ckptpilot.storage.metadata import MetadataStore, Status
+from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.validation.recovery import Candidate, plan_recovery
@@ -582,21 +582,21 @@ class CheckpointPilot:
                         self.remote.path(debris))
             self.remote.remove(debris)
         published = dict((name, s) for s, name in listing.published)
-        rows = {}
-        for row in self.store.rows(self.run_id, rank=self.rank, tier="remote"):
-            rows.setdefault(row.step, row)
+        rows = self._rows_by_step()
         for row in rows.values():
             if row.status is not Status.PENDING:
                 continue
             name = checkpoint_name(row.step, self.rank)
             if name in published:  # validated, published, killed before the row was marked
-                self.store.mark(row.key, Status.VALID, location=self.remote.path(name))
+                rows[row.step] = self.store.mark(row.key, Status.VALID,
+                                                 location=self.remote.path(name))
             else:
-                self.store.mark(row.key, Status.CORRUPTED,
-                                note="the writer died before the checkpoint was published")
+                rows[row.step] = self.store.mark(
+                    row.key, Status.CORRUPTED,
+                    note="the writer died before the checkpoint was published")
         candidates = []
         for name, step in published.items():
-            row = self.store.get((self.run_id, step, self.rank, "remote"))
+            row = rows.get(step)
             if row is not None:
                 candidates.append(Candidate(step, row.level.value, "remote", name,
                                             row.status.value))
@@ -607,6 +607,13 @@ class CheckpointPilot:
                 level = "unknown"
             candidates.append(Candidate(step, level, "remote", name, None))
         return candidates
+
+    def _rows_by_step(self) -> dict[int, CheckpointRow]:
+        """This rank's remote rows, the newest row of each step."""
+        rows: dict[int, CheckpointRow] = {}
+        for row in self.store.rows(self.run_id, rank=self.rank, tier="remote"):
+            rows.setdefault(row.step, row)
+        return rows
 
     def _mark_unreadable(self, cand: Candidate, reason: str) -> None:
         row = self.store.get((self.run_id, cand.step, self.rank, "remote"))

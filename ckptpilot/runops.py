@@ -120,7 +120,8 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
     """
     run = Run(policy)
     with run.store() as store:
-        targets = [(rk, n) for s, rk, n in run.published() if s == step]
+        published = run.published()
+        targets = [(rk, n) for s, rk, n in published if s == step]
         if not targets:
             raise OpError(f"no published checkpoint of step {step} in {run.remote.url}")
         plan = []
@@ -137,7 +138,7 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
                 raise OpError(f"step {step}, rank {rank} is {status} in the metadata; "
                               "use --force to recover it anyway")
             plan.append((step, rank, manifest["level"], status, check, run.remote.path(name)))
-        later = [(s, rk, n) for s, rk, n in run.published() if s > step]
+        later = [(s, rk, n) for s, rk, n in published if s > step]
         print(f"{'would load' if dry_run else 'will load'} on the next restore():", file=out)
         _table(plan, ("step", "rank", "level", "status", "check", "location"), out)
         if later:
