@@ -47,10 +47,8 @@ import datetime
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import zstandard
+from scratch import DEFAULT_DIR, REPO, scratch_dir
 
 from ckptpilot.codecs import (
     blob_info,
@@ -70,8 +69,6 @@ from ckptpilot.codecs import (
 from ckptpilot.demo import CONTEXT, CharTransformer, DemoJob, stdlib_text
 from ckptpilot.sampler import ResumableSampler
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = REPO / ".bench-tmp"
 DELTAS = (1, 25, 100)
 CODECS = ("raw", "zstd", "byteplane", "xor_delta", "prefix_index", "auto")
 BASELINES = ("zstd-3", "shuffle+zstd-3", "xor+shuffle+zstd-3")
@@ -354,71 +351,70 @@ def main() -> None:
     print(f"torch {torch.__version__}, python {platform.python_version()}, zstandard "
           f"{zstandard.__version__}, {os.cpu_count()} CPUs (torch threads "
           f"{torch.get_num_threads()}), {platform.processor() or platform.machine()}")
-    a.dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="codecs-", dir=a.dir))
-    print(f"disk dir: {workdir}")
-    text = stdlib_text()
-    n_params = sum(p.numel() for p in CharTransformer(dim=dim, layers=layers).parameters())
-    print(f"model: CharTransformer(dim={dim}, layers={layers}), {n_params:,} params "
-          f"({n_params * 4 / 1e6:.1f} MB fp32 per tensor class); batch 32 x context {CONTEXT}; "
-          f"snapshots at s = warmup ({warmup}) and s+1, s+25, s+100")
-    print("ratio = raw bytes / encoded bytes; MB/s per core = 1e6 raw bytes per second, codecs "
-          f"with threads=1, best of {a.repeats}; auto gets the disk bandwidth measured below")
-    total = warmup + max(DELTAS)
-    regimes: dict[str, tuple[Snapshots, str]] = {}
+    with scratch_dir(a.dir, "codecs-") as workdir:
+        print(f"disk dir: {workdir}")
+        text = stdlib_text()
+        n_params = sum(p.numel() for p in CharTransformer(dim=dim, layers=layers).parameters())
+        print(f"model: CharTransformer(dim={dim}, layers={layers}), {n_params:,} params "
+              f"({n_params * 4 / 1e6:.1f} MB fp32 per tensor class); batch 32 x context {CONTEXT}; "
+              f"snapshots at s = warmup ({warmup}) and s+1, s+25, s+100")
+        print("ratio = raw bytes / encoded bytes; MB/s per core = 1e6 raw bytes per second, codecs "
+              f"with threads=1, best of {a.repeats}; auto gets the disk bandwidth measured below")
+        total = warmup + max(DELTAS)
+        regimes: dict[str, tuple[Snapshots, str]] = {}
 
-    job = make_job(text, dim, layers, total, "adamw")
-    snaps, losses, secs = train(job, warmup)
-    regimes["(a) AdamW full training"] = (snaps, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                                          f"{total} steps in {secs:.1f} s")
-    trained = job.model
+        job = make_job(text, dim, layers, total, "adamw")
+        snaps, losses, secs = train(job, warmup)
+        regimes["(a) AdamW full training"] = (snaps, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                                              f"{total} steps in {secs:.1f} s")
+        trained = job.model
 
-    bf16: Snapshots = {step: {"weights": {n: t.to(torch.bfloat16) for n, t in
-                                          st["weights"].items()}} for step, st in snaps.items()}
-    # (b) fine-tune from (a)'s end with the first ~90 % of the parameters frozen.
-    frozen_names, seen = set(), 0
-    for name, param in trained.named_parameters():
-        if seen + param.numel() <= FROZEN_FRACTION * n_params:
-            param.requires_grad_(False)
-            frozen_names.add(name)
-            seen += param.numel()
-    ft = make_job(text, dim, layers, total, "adamw", model=trained)
-    ft.sampler = ResumableSampler(len(text) - CONTEXT - 1, seed=1)
-    snaps_b, losses_b, secs_b = train(ft, warmup)
-    frozen_note = (f"{seen / n_params:.1%} of the params frozen ({len(frozen_names)} tensors: "
-                   f"embeddings + first blocks); loss {losses_b[0]:.3f} -> {losses_b[-1]:.3f}, "
-                   f"{total} steps in {secs_b:.1f} s")
-    for st in snaps_b.values():
-        st["frozen weights"] = {n: t for n, t in st["weights"].items() if n in frozen_names}
-    regimes["(b) fine-tuning, ~90 % frozen"] = (snaps_b, frozen_note)
+        bf16: Snapshots = {step: {"weights": {n: t.to(torch.bfloat16) for n, t in
+                                              st["weights"].items()}} for step, st in snaps.items()}
+        # (b) fine-tune from (a)'s end with the first ~90 % of the parameters frozen.
+        frozen_names, seen = set(), 0
+        for name, param in trained.named_parameters():
+            if seen + param.numel() <= FROZEN_FRACTION * n_params:
+                param.requires_grad_(False)
+                frozen_names.add(name)
+                seen += param.numel()
+        ft = make_job(text, dim, layers, total, "adamw", model=trained)
+        ft.sampler = ResumableSampler(len(text) - CONTEXT - 1, seed=1)
+        snaps_b, losses_b, secs_b = train(ft, warmup)
+        frozen_note = (f"{seen / n_params:.1%} of the params frozen ({len(frozen_names)} tensors: "
+                       f"embeddings + first blocks); loss {losses_b[0]:.3f} -> {losses_b[-1]:.3f}, "
+                       f"{total} steps in {secs_b:.1f} s")
+        for st in snaps_b.values():
+            st["frozen weights"] = {n: t for n, t in st["weights"].items() if n in frozen_names}
+        regimes["(b) fine-tuning, ~90 % frozen"] = (snaps_b, frozen_note)
 
-    sgd = make_job(text, dim, layers, total, "sgd")
-    snaps_c, losses_c, secs_c = train(sgd, warmup)
-    regimes["(c) SGD + momentum 0.9, no weight decay"] = (
-        snaps_c, f"lr 0.05 one-cycle; loss {losses_c[0]:.3f} -> {losses_c[-1]:.3f}, "
-        f"{total} steps in {secs_c:.1f} s")
-    regimes["(d) bf16 weights (bf16 copies of (a)'s weights)"] = (bf16, "same steps as (a)")
+        sgd = make_job(text, dim, layers, total, "sgd")
+        snaps_c, losses_c, secs_c = train(sgd, warmup)
+        regimes["(c) SGD + momentum 0.9, no weight decay"] = (
+            snaps_c, f"lr 0.05 one-cycle; loss {losses_c[0]:.3f} -> {losses_c[-1]:.3f}, "
+            f"{total} steps in {secs_c:.1f} s")
+        regimes["(d) bf16 weights (bf16 copies of (a)'s weights)"] = (bf16, "same steps as (a)")
 
-    results: dict[str, tuple[list[Row], EndToEnd | None]] = {}
-    for title, (rsnaps, note) in regimes.items():
-        e2e = None
-        if not title.startswith("(d)"):
-            e2e = end_to_end(rsnaps, warmup, workdir, max(5, a.repeats))
-        bw = e2e.bandwidth if e2e else results["(a) AdamW full training"][1].bandwidth
-        rows = []
-        for cls in rsnaps[warmup]:
-            series = {step: flat(st[cls]) for step, st in rsnaps.items()}
-            rows += measure_class(cls, series, warmup, a.repeats, bw)
-        results[title] = (rows, e2e)
-        print(f"\n### {title}\n\n{note}\n\n{table(rows)}")
-        if e2e:
-            print(f"\nend to end, container of the state at s+25 to {workdir} (write + fsync, "
-                  f"median of {max(5, a.repeats)}): raw {e2e.raw_s * 1e3:.1f} ms "
-                  f"({e2e.raw_bytes / 1e6:.2f} MB), auto {e2e.auto_s * 1e3:.1f} ms "
-                  f"({e2e.auto_bytes / 1e6:.2f} MB, ratio {e2e.raw_bytes / e2e.auto_bytes:.3f});"
-                  f" auto/raw time {e2e.auto_s / e2e.raw_s:.2f}x; auto bandwidth "
-                  f"{e2e.bandwidth / 1e9:.2f} GB/s (measured); auto chose {e2e.auto_codecs}")
-    shutil.rmtree(workdir, ignore_errors=True)
+        results: dict[str, tuple[list[Row], EndToEnd | None]] = {}
+        for title, (rsnaps, note) in regimes.items():
+            e2e = None
+            if not title.startswith("(d)"):
+                e2e = end_to_end(rsnaps, warmup, workdir, max(5, a.repeats))
+            bw = e2e.bandwidth if e2e else results["(a) AdamW full training"][1].bandwidth
+            rows = []
+            for cls in rsnaps[warmup]:
+                series = {step: flat(st[cls]) for step, st in rsnaps.items()}
+                rows += measure_class(cls, series, warmup, a.repeats, bw)
+            results[title] = (rows, e2e)
+            print(f"\n### {title}\n\n{note}\n\n{table(rows)}")
+            if e2e:
+                print(f"\nend to end, container of the state at s+25 to {workdir} (write + fsync, "
+                      f"median of {max(5, a.repeats)}): raw {e2e.raw_s * 1e3:.1f} ms "
+                      f"({e2e.raw_bytes / 1e6:.2f} MB), auto {e2e.auto_s * 1e3:.1f} ms "
+                      f"({e2e.auto_bytes / 1e6:.2f} MB, ratio "
+                      f"{e2e.raw_bytes / e2e.auto_bytes:.3f});"
+                      f" auto/raw time {e2e.auto_s / e2e.raw_s:.2f}x; auto bandwidth "
+                      f"{e2e.bandwidth / 1e9:.2f} GB/s (measured); auto chose {e2e.auto_codecs}")
 
     print("\n### goals (issue 5)\n")
     rows_a = results["(a) AdamW full training"][0]

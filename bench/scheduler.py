@@ -45,16 +45,13 @@ model, whose step takes ~60 ms on 2 cores).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import itertools
 import os
 import platform
 import random
 import shlex
-import shutil
 import sys
-import tempfile
 import timeit
 import zlib
 from collections.abc import Callable
@@ -65,14 +62,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from scratch import DEFAULT_DIR, scratch_dir
 from torch import nn
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
 from ckptpilot.demo import BATCH, CONTEXT, build_demo_job
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = REPO / ".bench-tmp"
 POLICY_YAML = """\
 scheduler: {{base_interval: 100000, min_interval: 10, max_interval: 100000, young_daly: false}}
 observability: {{tensorboard: false, decision_log: {log}}}
@@ -581,16 +577,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < ROUNDS * 10 or args.demo_steps < ROUNDS * 10:
         parser.error(f"--steps and --demo-steps must be at least {ROUNDS * 10}")
-    made_dir = not args.dir.exists()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="scheduler-", dir=args.dir))
-    try:
+    with scratch_dir(args.dir, "scheduler-") as workdir:
         run(args, workdir)
-    finally:
-        shutil.rmtree(workdir)
-        if made_dir:
-            with contextlib.suppress(OSError):  # another run may still use it
-                args.dir.rmdir()
 
 
 if __name__ == "__main__":

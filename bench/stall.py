@@ -38,7 +38,6 @@ Usage: ``.venv/bin/python bench/stall.py [--gb 1.0] [--dir DIR] [--repeats 3]``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -50,7 +49,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,11 +57,10 @@ from statistics import median
 
 import psutil
 import torch
+from scratch import DEFAULT_DIR, scratch_dir
 
 from ckptpilot import CheckpointPilot, SaveRecord, load_policy
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = REPO / ".bench-tmp"
 MAX_WIDTH = 4096
 BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
 POLICY_YAML = """\
@@ -342,16 +339,8 @@ def main() -> None:
         return
     if args.repeats < 2:
         parser.error("--repeats must be at least 2 (first save and steady state differ)")
-    made_dir = not args.dir.exists()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="stall-", dir=args.dir))
-    try:
+    with scratch_dir(args.dir, "stall-") as workdir:
         run(args, workdir)
-    finally:
-        shutil.rmtree(workdir)
-        if made_dir:
-            with contextlib.suppress(OSError):  # another run may still use it
-                args.dir.rmdir()
 
 
 if __name__ == "__main__":
