@@ -37,8 +37,8 @@ import statistics
 import threading
 import time
 import zlib
-from collections import deque
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import (
     CheckpointFormatError,
     CheckpointWriteError,
@@ -61,6 +62,7 @@ from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read
 from ckptpilot.scheduler.ledger import FailureLedger
 from ckptpilot.state import HostBufferPool, Snapshot, Stateful, TrainingComponents, apply, capture
 from ckptpilot.storage.archive import (
+    StagedArchive,
     checkpoint_name,
     list_archives,
     model_layout,
@@ -69,6 +71,7 @@ from ckptpilot.storage.archive import (
     stage_organ,
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
+from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.validation.recovery import Candidate, plan_recovery
@@ -95,7 +98,8 @@ class SkippedCheckpoint:
 @dataclass(frozen=True)
 class RecoveryReport:
     """What ``restore()`` did. ``steps_lost`` compares the dead run's newest heartbeat with the
-    recovered step (None when no heartbeat of an earlier run exists)."""
+    recovered step (None when no heartbeat of an earlier run exists); ``bytes_read`` counts
+    what was read from the source (for the memory tier: copied) to restore it."""
 
     source: RecoverySource
     step: int
@@ -104,6 +108,7 @@ class RecoveryReport:
     steps_lost: int | None
     location: str | None
     skipped: tuple[SkippedCheckpoint, ...] = ()
+    bytes_read: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,8 @@ class SaveRecord:
     bytes: int
     location: str
     status: str  # "valid", or "corrupted" when post-write validation refused it
+    bytes_raw: int = 0  # the snapshot's tensor bytes before the codecs
+    write_seconds: float = 0.0  # encode + write + fsync, before validation
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,15 @@ class _SaveRequest:
 
 RECOVER_PIN = "recover.json"
 MAX_RECOVERY_WALK = 5
+
+
+def _codec_summary(staged: StagedArchive) -> str:
+    """``raw`` for safetensors; else how many tensors each codec took, e.g.
+    ``byteplane:12,raw:30``."""
+    if staged.index is None:
+        return "raw"
+    counts = Counter(entry.codec for entry in staged.index.tensors)
+    return ",".join(f"{codec}:{n}" for codec, n in sorted(counts.items()))
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -184,6 +200,13 @@ class CheckpointPilot:
         max_pending = self.policy.async_.max_pending
         self._slots = threading.BoundedSemaphore(max_pending)
         self._pool = HostBufferPool(max_pending)
+        mem = self.policy.tiers.memory
+        self.memory = MemoryTier(mem.max_bytes, self._pool) if mem.enabled else None
+        codecs = self.policy.codecs
+        self._pulse_codecs = CodecSelector(
+            {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
+            bandwidth_bytes_per_s=self.policy.tiers.remote.bandwidth, level=codecs.zstd_level,
+            prefix_bits=codecs.prefix_bits, threads=codecs.threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptpilot-writer")
         self._inflight: deque[tuple[int, Future[SaveRecord]]] = deque()
         obs = self.policy.observability
@@ -402,7 +425,7 @@ class CheckpointPilot:
         try:
             snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
                                extras=self.extras, rank=self.rank, world_size=self.world_size,
-                               pool=self._pool)
+                               pool=self.memory or self._pool)
         except BaseException:
             self._slots.release()
             raise
@@ -438,12 +461,20 @@ class CheckpointPilot:
     def _persist(self, snapshot: Snapshot, request: _SaveRequest, stall: float) -> SaveRecord:
         """Stage → record ``pending`` → validate → publish and mark ``valid`` (or set aside
         and mark ``corrupted``, with an alert: the previous valid checkpoint stays the
-        recovery point)."""
+        recovery point). A valid snapshot's buffers then stay in the memory tier.
+
+        An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
+        self-contained (see ``storage.archive``)."""
+        kept = False
         try:
             t0 = time.perf_counter()
+            codec_for = None
+            if request.level == Level.PULSE.value:
+                self._pulse_codecs.new_save()
+                codec_for = self._pulse_codecs.codec_for
             staged = stage_organ(self.remote, snapshot, level=request.level,
                                  reason=request.reason, retention_class=request.retention_class,
-                                 score=request.score)
+                                 score=request.score, codec_for=codec_for)
             write_seconds = time.perf_counter() - t0
             key = (self.run_id, snapshot.step, self.rank, "remote")
             self._retire_existing(key, staged.name)
@@ -453,8 +484,9 @@ class CheckpointPilot:
                 tier="remote", location=self.remote.path(staged.staging),
                 sha256=staged.manifest["self_sha256"], retention_class=request.retention_class,
                 score=request.score, metric_name=metric_name, metric_value=metric_value,
-                bytes_raw=snapshot.nbytes, bytes_encoded=staged.bytes, codec="raw",
-                seconds_snapshot=stall, seconds_write=write_seconds, reason=request.reason)
+                bytes_raw=snapshot.nbytes, bytes_encoded=staged.bytes,
+                codec=_codec_summary(staged), seconds_snapshot=stall,
+                seconds_write=write_seconds, reason=request.reason)
             check = self._validator.validate(self.remote, staged.staging, staged.manifest,
                                              model_layout(snapshot))
             if check.ok:
@@ -474,24 +506,29 @@ class CheckpointPilot:
             record = SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
                                 retention_class=request.retention_class, stall_seconds=stall,
                                 persist_seconds=seconds, validate_seconds=check.seconds,
-                                bytes=staged.bytes, location=location, status=status.value)
+                                bytes=staged.bytes, location=location, status=status.value,
+                                bytes_raw=snapshot.nbytes, write_seconds=write_seconds)
             self.saves.append(record)
-            log.info("saved %s step %d: %.1f MB, stall %.1f ms, persisted in %.2f s "
-                     "(validation %.2f s), %s (%s)", request.level, snapshot.step,
-                     staged.bytes / 1e6, stall * 1e3, seconds, check.seconds, status.value,
-                     request.reason)
+            log.info("saved %s step %d: %.1f MB (%.1f MB raw), stall %.1f ms, persisted in "
+                     "%.2f s (write %.2f s, validation %.2f s), %s (%s)", request.level,
+                     snapshot.step, staged.bytes / 1e6, snapshot.nbytes / 1e6, stall * 1e3,
+                     seconds, write_seconds, check.seconds, status.value, request.reason)
             self._telemetry.save(snapshot.step, {
                 "checkpoint/save_seconds": seconds,
                 "checkpoint/stall_seconds": stall,
                 "checkpoint/validate_seconds": check.seconds,
                 "checkpoint/bytes": float(staged.bytes),
+                "checkpoint/ratio": snapshot.nbytes / max(staged.bytes, 1),
             })
+            if status is Status.VALID and self.memory is not None:
+                kept = self.memory.hold(snapshot, request.level)
             return record
         except Exception:
             log.exception("background save of step %d failed", snapshot.step)
             raise
         finally:
-            self._pool.give_back(snapshot.tensors)
+            if not kept:
+                self._pool.give_back(snapshot.tensors)
             self._slots.release()
 
     def _retire_existing(self, key: tuple[str, int, int, str], name: str) -> None:
@@ -538,6 +575,12 @@ class CheckpointPilot:
             candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
         plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
         skipped = [SkippedCheckpoint(self.remote.path(c.name), why) for c, why in plan.excluded]
+        held = self.memory.newest() if self.memory is not None and not forced else None
+        if held is not None and (held.step == step if step is not None else
+                                 not plan.attempts or held.step >= plan.attempts[0].step):
+            self._restore_from_memory(held, t0, skipped)
+            self._consume_pin(pin, held.step, forced)
+            return held.step
         if step is not None and not plan.attempts:
             raise NoCheckpointError(
                 f"no usable checkpoint of step {step} for rank {self.rank} in "
@@ -550,18 +593,13 @@ class CheckpointPilot:
                 skipped.append(SkippedCheckpoint(self.remote.path(cand.name), str(e)))
                 self._mark_unreadable(cand, str(e))
                 continue
-            restored_extras = apply(self.components, loaded.meta, loaded.tensor)
-            self.extras.clear()
-            self.extras.update(restored_extras)
-            self.epoch = loaded.meta.get("epoch")
+            self._apply(loaded.meta, loaded.tensor)
             level = loaded.manifest["level"]
             self._after_restore(cand.step, Level(level))
+            read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
             self.last_recovery = self._report(RecoverySource.REMOTE, cand.step, level, t0,
-                                              loaded.location, skipped)
-            if pin.exists():
-                self.store.audit("recover-applied", {"step": cand.step, "rank": self.rank,
-                                                     "forced": forced})
-                pin.unlink()
+                                              loaded.location, skipped, read)
+            self._consume_pin(pin, cand.step, forced)
             log.info("restored step %d from %s in %.2f s", cand.step, loaded.location,
                      self.last_recovery.seconds)
             return cand.step
@@ -572,6 +610,30 @@ class CheckpointPilot:
         self._after_restore(0, None)
         self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
+
+    def _consume_pin(self, pin: Path, step: int, forced: bool) -> None:
+        if pin.exists():
+            self.store.audit("recover-applied", {"step": step, "rank": self.rank,
+                                                 "forced": forced})
+            pin.unlink()
+
+    def _restore_from_memory(self, held: MemoryEntry, t0: float,
+                             skipped: list[SkippedCheckpoint]) -> None:
+        # Clones: an optimizer's load_state_dict may keep the very tensors it is given, and
+        # these buffers go back to the snapshot pool for the next capture.
+        self._apply(held.meta, lambda key: held.tensors[key].clone())
+        self._after_restore(held.step, Level(held.level))
+        self.last_recovery = self._report(RecoverySource.MEMORY, held.step, held.level, t0,
+                                          f"memory:step {held.step}", skipped, held.nbytes)
+        log.info("restored step %d from the memory tier in %.2f s", held.step,
+                 self.last_recovery.seconds)
+
+    def _apply(self, meta: Mapping[str, Any], get_tensor: Callable[[str], torch.Tensor]
+               ) -> None:
+        restored_extras = apply(self.components, meta, get_tensor)
+        self.extras.clear()
+        self.extras.update(restored_extras)
+        self.epoch = meta.get("epoch")
 
     def _recovery_candidates(self) -> list[Candidate]:
         """Published archives of this rank with their metadata status; repairs the traces a
@@ -621,6 +683,8 @@ class CheckpointPilot:
             self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {reason}")
 
     def _after_restore(self, step: int, level: Level | None) -> None:
+        if self.memory is not None:
+            self.memory.drop_after(step)
         self.step = self._base_step = step
         self._optimizer_steps = 0
         self._last_save_step = step
@@ -628,7 +692,8 @@ class CheckpointPilot:
             self.scheduler.note_save(step, level)
 
     def _report(self, source: RecoverySource, step: int, level: str | None, t0: float,
-                location: str | None, skipped: list[SkippedCheckpoint]) -> RecoveryReport:
+                location: str | None, skipped: list[SkippedCheckpoint],
+                bytes_read: int = 0) -> RecoveryReport:
         seconds = time.perf_counter() - t0
         hb = self._previous_heartbeat
         steps_lost = None
@@ -642,7 +707,8 @@ class CheckpointPilot:
         self._run_started = True
         self._mtbf_seconds = self._ledger.mtbf_seconds()
         return RecoveryReport(source=source, step=step, level=level, seconds=seconds,
-                              steps_lost=steps_lost, location=location, skipped=tuple(skipped))
+                              steps_lost=steps_lost, location=location, skipped=tuple(skipped),
+                              bytes_read=bytes_read)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -68,6 +68,10 @@ class Snapshot:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+class BufferSource(Protocol):
+    def take(self) -> dict[str, torch.Tensor]: ...
+
+
 class HostBufferPool:
     """Host buffers of finished snapshots, reused by the next capture of the same layout.
 
@@ -199,7 +203,7 @@ def _set_rng_state(rng: dict[str, Any], get_tensor: Callable[[str], torch.Tensor
 
 def capture(components: TrainingComponents, *, step: int, epoch: int | None = None,
             extras: Mapping[str, Any] | None = None, rank: int = 0, world_size: int = 1,
-            pool: HostBufferPool | None = None) -> Snapshot:
+            pool: BufferSource | None = None) -> Snapshot:
     """Copy the complete training state into host memory owned by the returned snapshot."""
     enc = _Encoder(pool.take() if pool is not None else {})
     model_sd = components.model.state_dict()

@@ -14,6 +14,8 @@ Fault injection (all real SIGKILLs of this process):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import random
@@ -50,6 +52,23 @@ def _inject_kill_in_save(step: int, point: str) -> None:
             return original(self, relpath, chunks)
 
         RemoteTier.write_file = write_file  # type: ignore[method-assign]
+        original_open = RemoteTier.open_write
+
+        @contextlib.contextmanager
+        def open_write(self: RemoteTier, relpath: str):  # type: ignore[no-untyped-def]
+            with original_open(self, relpath) as out:
+                if relpath.startswith(prefix) and relpath.endswith(archive.CONTAINER_FILE):
+                    write, calls = out.write, itertools.count()
+
+                    def dying(data):  # type: ignore[no-untyped-def]
+                        n = write(data)
+                        if next(calls) == 4:
+                            _die()
+                        return n
+                    out.write = dying
+                yield out
+
+        RemoteTier.open_write = open_write  # type: ignore[method-assign]
     else:
         original_publish = RemoteTier.publish
 
@@ -102,7 +121,7 @@ def main() -> None:
                             optimizer=opt, lr_scheduler=sched, data_state=sampler)
     start = pilot.restore()
     rec = pilot.last_recovery
-    print(f"RESUMED {start} {rec.source.value} {rec.steps_lost}", flush=True)
+    print(f"RESUMED {start} {rec.source.value} {rec.steps_lost} {rec.level}", flush=True)
     with open(a.losses, "a") as log:
         for step in range(start, a.steps):
             model.train()

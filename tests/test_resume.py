@@ -19,14 +19,15 @@ INTERVAL = 10
 pytestmark = pytest.mark.crash
 
 
-def _config(tmp: Path) -> Path:
+def _config(tmp: Path, organ_every: int = 100) -> Path:
+    """organ_every 100: every save here is a pulse (codec container); 1: every one an organ."""
     cfg = tmp / "policy.yaml"
     cfg.write_text(
         # A fixed interval, so the kill points below fall between known saves: the loss
         # signal cannot fire, the others weigh nothing, no Young-Daly cap.
         f"scheduler: {{base_interval: {INTERVAL}, min_interval: 1, max_interval: 500,\n"
         "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
-        "  loss: {slope_threshold: 1000.0}}\n"
+        f"  loss: {{slope_threshold: 1000.0}}, organ_every: {organ_every}}}\n"
         "observability: {tensorboard: false, decision_log: false}\n")
     return cfg
 
@@ -72,10 +73,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "json": json.loads(Path(str(final) + ".json").read_text())}
 
 
-@pytest.mark.parametrize("kill_point", ["tensors", "publish"])
+@pytest.mark.parametrize(("level", "kill_point"), [
+    ("pulse", "tensors"), ("pulse", "publish"), ("organ", "tensors")])
 def test_killed_between_and_during_saves_resumes_bit_exactly(
-        tmp_path: Path, reference: dict[str, object], kill_point: str) -> None:
-    cfg = _config(tmp_path)
+        tmp_path: Path, reference: dict[str, object], level: str, kill_point: str) -> None:
+    cfg = _config(tmp_path, organ_every=100 if level == "pulse" else 1)
     run_dir, losses, final = tmp_path / "run", tmp_path / "losses.txt", tmp_path / "final"
 
     # 1: killed between saves (last published save: step 20).
@@ -99,7 +101,8 @@ def test_killed_between_and_during_saves_resumes_bit_exactly(
     assert not any(".staging-" in p.name for p in ckpt_dir.iterdir())
 
     # Heartbeats tell how far each dead run got; the ledger records both interruptions.
-    assert _resumed(second) == ["20", "remote", "4"]  # run 1 died after step 24 (index 23)
+    assert _resumed(second) == ["20", "remote", "4", level]  # run 1 died after step 24
+    assert _resumed(third)[3] == level
     lost = int(_resumed(third)[2])
     assert lost >= 10  # run 2 got at least to step 40 before the kill in its save
     ledger = [json.loads(ln) for ln in (run_dir / "ledger_rank_00000.jsonl").read_text()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import archive_tensors
 
 from ckptpilot import CheckpointPilot, load_policy
 from ckptpilot.storage import archive
@@ -167,7 +168,7 @@ def test_recover_of_a_corrupted_checkpoint_needs_force_and_is_audited(
 def test_validate_marks_a_bit_flip_corrupted_and_restore_walks_back(
         run: tuple[Path, Path]) -> None:
     cfg, run_dir = run
-    newest = run_dir / "checkpoints" / archive.checkpoint_name(10, 0) / archive.TENSORS_FILE
+    newest = archive_tensors(run_dir / "checkpoints" / archive.checkpoint_name(10, 0))
     data = bytearray(newest.read_bytes())
     data[len(data) - 5] ^= 0x04
     newest.write_bytes(bytes(data))

@@ -6,7 +6,9 @@ byte planes were measured both faster and smaller), ``prefix_index`` (16/32-bit 
 write its own blob format (the blob is the chosen codec's, whose id is in the header, so
 decoding dispatches on it) or remember choices between calls.
 
-Cost model, per candidate: ``encode seconds + encoded bytes / bandwidth_bytes_per_s``. A
+Cost model, per candidate: ``encode seconds + encoded bytes / bandwidth_bytes_per_s``, or with
+``overlap=True`` (the container encodes tensor i while tensor i-1 is being written) the larger
+of the two: a codec then pays only if it encodes faster than the tier takes raw bytes. A
 tensor whose raw transfer takes under ``MIN_TRIAL_SECONDS`` (1 ms) is sent raw untried: no codec
 could save more than that, and the trials would cost more. A tensor of at most ``sample_bytes``
 is encoded whole by every candidate (best of two timed runs) and the winner's blob is returned
@@ -27,7 +29,13 @@ from typing import Any
 
 import torch
 
-from ckptpilot.codecs.base import Codec, check_int, check_positive, resolve_threads
+from ckptpilot.codecs.base import (
+    Codec,
+    CodecParamError,
+    check_int,
+    check_positive,
+    resolve_threads,
+)
 from ckptpilot.codecs.blob import Buffer
 from ckptpilot.codecs.byteplane import CHUNK_BYTES
 from ckptpilot.codecs.registry import decode_blob, get_codec, register_codec
@@ -51,6 +59,7 @@ class AutoCodec(Codec):
         level: int = 1,
         prefix_bits: int = 12,
         threads: int = 0,
+        overlap: bool = False,
     ) -> None:
         name = self.codec_id
         self.bandwidth_bytes_per_s = check_positive(
@@ -60,6 +69,9 @@ class AutoCodec(Codec):
         self.level = check_int(name, "level", level, 1, 22)
         self.prefix_bits = check_int(name, "prefix_bits", prefix_bits, 1, 31)
         self.threads = check_int(name, "threads", threads, 0)
+        if not isinstance(overlap, bool):
+            raise CodecParamError(f"auto: overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
 
     @property
     def config(self) -> dict[str, Any]:
@@ -70,6 +82,7 @@ class AutoCodec(Codec):
             "level": self.level,
             "prefix_bits": self.prefix_bits,
             "threads": self.threads,
+            "overlap": self.overlap,
         }
 
     def candidates(self, tensor: torch.Tensor, base: torch.Tensor | None) -> list[Codec]:
@@ -109,7 +122,9 @@ class AutoCodec(Codec):
                 rest = per_byte * (nbytes - _nbytes(sample))
                 encode_s = sample_s + (rest if codec.codec_id == "raw" else rest / workers)
                 size = _size(parts) * nbytes / _nbytes(sample)
-            trials.append((encode_s + size / self.bandwidth_bytes_per_s, codec, parts))
+            transfer_s = size / self.bandwidth_bytes_per_s
+            cost = max(encode_s, transfer_s) if self.overlap else encode_s + transfer_s
+            trials.append((cost, codec, parts))
         _, codec, parts = min(trials, key=lambda trial: trial[0])
         return codec, parts if whole else None
 

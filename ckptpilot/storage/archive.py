@@ -4,7 +4,10 @@ Layout of ``step_{step:08d}_rank_{rank:05d}/``:
 
 - ``tensors.safetensors`` — every tensor of the snapshot, in the safetensors format (written
   here by a streaming writer so that no second copy of the state is built in memory; read back
-  with the ``safetensors`` library, which cannot execute code);
+  with the ``safetensors`` library, which cannot execute code); or, for an archive whose
+  tensors go through the codecs (pulses), ``tensors.ckpt``: the codec container
+  (``ckptpilot.codecs.container``) with every tensor encoded on its own and no reference to any
+  other checkpoint — a passive store cannot fold deltas, so a pulse here is self-contained;
 - ``state.json`` — everything else (optimizer structure, schedulers, RNG, data cursor, extras);
 - ``manifest.json`` — format name and version, step/rank/level, per-file size and SHA256, and
   a digest of the manifest itself. Written last: a directory without a valid manifest is an
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ckptpilot.codecs.container import CodecFor, ContainerIndex, read_container, write_container
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 from ckptpilot.state import Snapshot
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
@@ -35,6 +39,7 @@ from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 FORMAT = "ckptpilot-organ"
 FORMAT_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"
+CONTAINER_FILE = "tensors.ckpt"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 _CHUNK_BYTES = 64 << 20
@@ -79,8 +84,8 @@ class LoadedArchive:
             return self.tensors[key]
         except KeyError:
             raise CheckpointFormatError(
-                f"{self.location}: state refers to tensor {key!r}, absent from "
-                f"{TENSORS_FILE}") from None
+                f"{self.location}: state refers to tensor {key!r}, absent from its "
+                "tensors file") from None
 
 
 _TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
@@ -178,6 +183,15 @@ class StagedArchive:
     staging: str
     bytes: int
     manifest: dict[str, Any]
+    index: ContainerIndex | None = None  # what the codecs made of each tensor (containers)
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype`` (how layouts are compared, whatever the file kind)."""
+    name = _SAFETENSORS_DTYPES.get(dtype)
+    if name is None:
+        raise CheckpointFormatError(f"dtype {dtype} cannot be stored")
+    return name
 
 
 def model_layout(snapshot: Snapshot) -> dict[str, tuple[str, list[int]]]:
@@ -197,15 +211,26 @@ def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
 
 def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "", retention_class: str = "routine",
-                score: float | None = None) -> StagedArchive:
+                score: float | None = None, codec_for: CodecFor | None = None) -> StagedArchive:
     """Write ``snapshot`` into a fresh staging directory, manifest last; publish separately
-    (after validation) with ``tier.publish(staged.staging, staged.name)``."""
+    (after validation) with ``tier.publish(staged.staging, staged.name)``.
+
+    With ``codec_for`` the tensors go into a codec container (``tensors.ckpt``), each encoded
+    by the codec it names (encoding overlaps writing); without, into ``tensors.safetensors``.
+    """
     meta = snapshot.meta
     name = checkpoint_name(snapshot.step, meta["rank"])
     staging = tier.new_staging(name)
     files: dict[str, dict[str, Any]] = {}
-    size, sha = tier.write_file(f"{staging}/{TENSORS_FILE}", _safetensors_chunks(snapshot.tensors))
-    files[TENSORS_FILE] = {"bytes": size, "sha256": sha}
+    index = None
+    if codec_for is None:
+        size, sha = tier.write_file(f"{staging}/{TENSORS_FILE}",
+                                    _safetensors_chunks(snapshot.tensors))
+        files[TENSORS_FILE] = {"bytes": size, "sha256": sha}
+    else:
+        with tier.open_write(f"{staging}/{CONTAINER_FILE}") as out:
+            index = write_container(out, snapshot.tensors, {"step": snapshot.step}, codec_for)
+        files[CONTAINER_FILE] = {"bytes": out.size, "sha256": out.sha256}
     state_raw = json.dumps(meta, separators=(",", ":")).encode()
     size, sha = tier.write_file(f"{staging}/{STATE_FILE}", [state_raw])
     files[STATE_FILE] = {"bytes": size, "sha256": sha}
@@ -228,7 +253,7 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     manifest["self_sha256"] = _manifest_digest(manifest)
     tier.write_file(f"{staging}/{MANIFEST_FILE}", [json.dumps(manifest, indent=1).encode()])
     total = sum(f["bytes"] for f in files.values())
-    return StagedArchive(name=name, staging=staging, bytes=total, manifest=manifest)
+    return StagedArchive(name=name, staging=staging, bytes=total, manifest=manifest, index=index)
 
 
 def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
@@ -288,18 +313,31 @@ def _read_verified(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, An
 def read_organ(tier: RemoteTier, name: str) -> LoadedArchive:
     """Verify and load an archive; raises ``CheckpointFormatError`` instead of half-loading.
 
-    Each file is read exactly once into memory the returned tensors own (views of one buffer):
-    nothing stays mapped to the file, so a later change or removal of the file cannot reach
-    the restored state.
+    Each file is read exactly once into memory the returned tensors own: nothing stays mapped
+    to the file, so a later change or removal of the file cannot reach the restored state. A
+    container is checked as it is decoded (blob checksums, the SHA256 of every decoded tensor)
+    rather than by a second pass over the file.
     """
     manifest = read_manifest(tier, name)
     location = tier.path(name)
     files = manifest["files"]
-    for required in (TENSORS_FILE, STATE_FILE):
-        if required not in files:
-            raise CheckpointFormatError(f"{location}: manifest lists no {required}")
-    tensors = parse_safetensors(_read_verified(tier, name, TENSORS_FILE, files[TENSORS_FILE]),
-                                tier.path(name, TENSORS_FILE))
+    if STATE_FILE not in files or not (TENSORS_FILE in files or CONTAINER_FILE in files):
+        raise CheckpointFormatError(
+            f"{location}: manifest lists no {STATE_FILE} or no tensors file")
+    if CONTAINER_FILE in files:
+        rel = _check_file(tier, name, CONTAINER_FILE, files[CONTAINER_FILE])
+        where = tier.path(rel)
+        with tier.open_read(rel) as f:
+            try:
+                tensors, _ = read_container(f)
+            except CheckpointFormatError as e:
+                raise CheckpointFormatError(f"{where}: {e}") from e
+            except ValueError as e:
+                raise CheckpointFormatError(f"{where}: cannot decode: {e}") from e
+    else:
+        tensors = parse_safetensors(
+            _read_verified(tier, name, TENSORS_FILE, files[TENSORS_FILE]),
+            tier.path(name, TENSORS_FILE))
     try:
         meta = json.loads(bytes(_read_verified(tier, name, STATE_FILE, files[STATE_FILE])))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

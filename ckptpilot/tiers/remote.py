@@ -15,7 +15,8 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import IO
 
 import fsspec
@@ -53,23 +54,26 @@ class RemoteTier:
         The digest is computed from the very buffers handed to the file, so it certifies what
         was written, not a second reading of the source.
         """
-        digest = hashlib.sha256()
-        size = 0
+        with self.open_write(relpath) as out:
+            for chunk in chunks:
+                out.write(chunk)
+        return out.size, out.sha256
+
+    @contextmanager
+    def open_write(self, relpath: str) -> Iterator[HashingWriter]:
+        """A file object for a producer that writes by itself (the codec container); hashed
+        like ``write_file`` and made durable when the block ends without an error."""
         target = self.path(relpath)
         if self.is_local:
             with open(target, "wb") as f:
-                for chunk in chunks:
-                    digest.update(chunk)
-                    size += f.write(chunk)
+                out = HashingWriter(f)
+                yield out
                 f.flush()
                 os.fsync(f.fileno())
         else:
             with self.fs.open(target, "wb") as f:
-                for chunk in chunks:
-                    digest.update(chunk)
-                    f.write(chunk)
-                    size += len(memoryview(chunk).cast("B"))
-        return size, digest.hexdigest()
+                out = HashingWriter(f)
+                yield out
 
     def publish(self, staging: str, final: str) -> None:
         """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost."""
@@ -145,6 +149,26 @@ class RemoteTier:
 
     def remove(self, relpath: str) -> None:
         self.fs.rm(self.path(relpath), recursive=True)
+
+
+class HashingWriter:
+    """``write`` that feeds SHA256 and counts bytes on the way to the file."""
+
+    def __init__(self, fileobj: IO[bytes]) -> None:
+        self._file = fileobj
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        self._file.write(view)
+        self.size += len(view)
+        return len(view)
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:

@@ -8,11 +8,12 @@ stdout — no pickle crosses the pipe. Each job runs under an address-space limi
 (``RLIMIT_AS``) and a wall-clock timeout; a worker that times out or dies is killed and the
 checkpoint is reported as failing with the reason.
 
-What the worker checks, in order: the safetensors header is sane (bounded size, offsets
-inside the file, byte counts matching shape × dtype); every file's SHA256 matches the
-manifest; every tensor decodes; ``state.json`` parses, has the required fields and refers
-only to tensors that exist; the model tensors' names, shapes and dtypes equal the layout of
-the live model (the consistency check).
+What the worker checks, in order: every file's SHA256 matches the manifest; the safetensors
+header is sane (bounded size, offsets inside the file, byte counts matching shape × dtype) or
+the codec container's header, trailer and index are; every tensor decodes (a container's also
+to the SHA256 of its raw bytes recorded before encoding); ``state.json`` parses, has the
+required fields and refers only to tensors that exist; the model tensors' names, shapes and
+dtypes equal the layout of the live model (the consistency check).
 
 Threading: a ``LoadChecker`` is used by one thread at a time (the pilot's writer thread).
 """
@@ -162,8 +163,6 @@ def _check_header(path: Path) -> dict[str, Any]:
 def _run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     import hashlib
 
-    from safetensors import safe_open  # imported by worker_main before any limit is set
-
     directory = Path(job["dir"])
     for fname, rec in job["files"].items() if job.get("sha256", True) else ():
         h = hashlib.sha256()
@@ -172,12 +171,11 @@ def _run_job(job: Mapping[str, Any]) -> dict[str, Any]:
                 h.update(chunk)
         if h.hexdigest() != rec["sha256"]:
             raise _Failure(f"{fname}: SHA256 {h.hexdigest()} != written {rec['sha256']}")
-    tensor_file = directory / "tensors.safetensors"
-    header = _check_header(tensor_file)
-    names = [k for k in header if k != "__metadata__"]
-    with safe_open(str(tensor_file), framework="pt") as f:
-        for name in names:
-            f.get_tensor(name)
+    if "tensors.ckpt" in job["files"]:
+        layout = _load_container(directory / "tensors.ckpt")
+    else:
+        layout = _load_safetensors(directory / "tensors.safetensors")
+    names = list(layout)
     meta = json.loads((directory / "state.json").read_text())
     missing = [k for k in _REQUIRED_META if k not in meta]
     if missing:
@@ -188,16 +186,43 @@ def _run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     if absent:
         raise _Failure(f"state.json refers to tensors absent from the file: {absent[:5]}")
     for key in meta["model_keys"]:
-        if f"model/{key}" not in header:
+        if f"model/{key}" not in layout:
             raise _Failure(f"model/{key}: listed in state.json, absent from the tensors")
     for name, (dtype, shape) in job["expected"].items():
-        info = header.get(name)
+        info = layout.get(name)
         if info is None:
             raise _Failure(f"{name}: the live model has it, the checkpoint does not")
-        if info["dtype"] != dtype or list(info["shape"]) != list(shape):
-            raise _Failure(f"{name}: checkpoint has {info['dtype']} {info['shape']}, the live "
+        if info != (dtype, list(shape)):
+            raise _Failure(f"{name}: checkpoint has {info[0]} {info[1]}, the live "
                            f"model {dtype} {list(shape)}")
     return {"ok": True, "reason": "ok", "tensors": len(names)}
+
+
+def _load_safetensors(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Decode every tensor; returns name -> (safetensors dtype, shape)."""
+    from safetensors import safe_open  # imported by worker_main before any limit is set
+
+    header = _check_header(path)
+    names = [k for k in header if k != "__metadata__"]
+    with safe_open(str(path), framework="pt") as f:
+        for name in names:
+            f.get_tensor(name)
+    return {k: (header[k]["dtype"], list(header[k]["shape"])) for k in names}
+
+
+def _load_container(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Decode every tensor (blob checksums and each tensor's SHA256 are checked on the way)."""
+    from ckptpilot.codecs.container import read_container, read_index
+    from ckptpilot.errors import CheckpointFormatError
+    from ckptpilot.storage.archive import safetensors_dtype
+
+    try:
+        with open(path, "rb") as f:
+            index = read_index(f)
+            read_container(f, threads=1)
+    except CheckpointFormatError as e:
+        raise _Failure(f"{path.name}: {e}") from e
+    return {e.name: (safetensors_dtype(e.dtype), list(e.shape)) for e in index.tensors}
 
 
 def _collect_refs(value: Any, out: list[str]) -> None:
@@ -218,6 +243,7 @@ def worker_main() -> None:
     import safetensors.torch  # noqa: F401 - load every library before the first memory limit
     import torch
 
+    from ckptpilot.codecs import container  # noqa: F401
     from ckptpilot.storage import archive  # noqa: F401
 
     torch.set_num_threads(1)

@@ -1,0 +1,103 @@
+"""Which codec encodes each tensor of a training state, for one target tier.
+
+Owns: the tensor families of the policy's ``codecs`` section (``weights`` = the model's
+tensors, ``optimizer``, ``other``) and the memory of ``auto``'s choices. ``auto`` times trials
+on samples, a few milliseconds per large tensor; a pilot saves the same tensors again and
+again, so a choice is kept per tensor (name, dtype, shape) and tried afresh only every
+``retry_every`` saves (the data drift; a tensor that compressed well at step 100 may not at
+step 10 000). Must not: do I/O or know the container's layout.
+
+``xor_delta`` needs a base; a tensor given none (a self-contained pulse on a passive store,
+the first save, a changed shape) is encoded with ``byteplane``, the non-delta half of
+``xor_delta``.
+
+Threading: ``codec_for`` may be called from the container's encoder thread while the writer
+thread calls ``new_save``; a lock guards the memory of choices.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ckptpilot.codecs.auto import AutoCodec
+from ckptpilot.codecs.base import Codec
+from ckptpilot.codecs.registry import get_codec
+
+FAMILIES = ("weights", "optimizer", "other")
+
+
+def family(name: str) -> str:
+    """The policy family of a state tensor, from its capture path."""
+    if name.startswith("model/"):
+        return "weights"
+    if name.startswith("optimizer/"):
+        return "optimizer"
+    return "other"
+
+
+class CodecSelector:
+    """``codec_for(name, tensor) -> (codec, base)`` for ``write_container``."""
+
+    def __init__(self, names: Mapping[str, str], *, bandwidth_bytes_per_s: float,
+                 level: int = 1, prefix_bits: int = 12, threads: int = 0,
+                 retry_every: int = 20) -> None:
+        unknown = set(names) - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"unknown tensor families {sorted(unknown)}; known: {FAMILIES}")
+        entropy = {"level": level, "threads": threads}
+        self._codecs: dict[str, Codec] = {}
+        for fam in FAMILIES:
+            codec_name = names.get(fam, "auto")
+            if codec_name == "auto":
+                self._codecs[fam] = AutoCodec(bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                                              prefix_bits=prefix_bits, overlap=True, **entropy)
+            else:
+                self._codecs[fam] = _build(codec_name, prefix_bits=prefix_bits, **entropy)
+        self._fallback = get_codec("byteplane", **entropy)
+        self._retry_every = retry_every
+        self._saves = 0
+        self._chosen: dict[tuple[str, torch.dtype, tuple[int, ...], bool], tuple[Codec, int]] = {}
+        self._lock = threading.Lock()
+
+    def new_save(self) -> None:
+        """Count a save: choices older than ``retry_every`` saves are tried again."""
+        with self._lock:
+            self._saves += 1
+
+    def codec_for(self, name: str, tensor: torch.Tensor,
+                  base: torch.Tensor | None = None) -> tuple[Codec, torch.Tensor | None]:
+        codec = self._codecs[family(name)]
+        fits = base is not None and base.dtype == tensor.dtype and base.shape == tensor.shape
+        if codec.codec_id == "xor_delta":
+            return (codec, base) if fits else (self._fallback, None)
+        if not isinstance(codec, AutoCodec):
+            return codec, None
+        key = (name, tensor.dtype, tuple(tensor.shape), fits)
+        with self._lock:
+            known = self._chosen.get(key)
+            saves = self._saves
+        if known is None or saves - known[1] >= self._retry_every:
+            chosen, _ = codec.choose(tensor, base if fits else None)
+            with self._lock:
+                self._chosen[key] = (chosen, saves)
+        else:
+            chosen = known[0]
+        return chosen, (base if chosen.codec_id == "xor_delta" else None)
+
+    def choices(self) -> dict[str, str]:
+        """Tensor name -> the codec last chosen for it (for logs and benchmarks)."""
+        with self._lock:
+            return {key[0]: codec.codec_id for key, (codec, _) in self._chosen.items()}
+
+
+def _build(name: str, *, prefix_bits: int, level: int, threads: int) -> Codec:
+    params: dict[str, Any] = {}
+    if name in ("zstd", "byteplane", "xor_delta", "prefix_index"):
+        params = {"level": level, "threads": threads}
+    if name == "prefix_index":
+        params["prefix_bits"] = prefix_bits
+    return get_codec(name, **params)

@@ -1,0 +1,83 @@
+"""The memory tier: the newest valid checkpoint, kept in this process's host memory.
+
+Restoring from it costs a memory copy: a run that rolls back in process (a loss spike, a
+NaN) needs no storage at all, and the peer tier computes its deltas against it. It holds the
+snapshot buffers themselves, no copy: when a save has been validated its buffers move here and
+the buffers of the checkpoint they replace go back to the snapshot pool. When the pool has
+no free set for a new capture, the capture takes the buffers held here (``take``)
+and the tier is empty until that save completes — so the tier never adds host memory beyond
+the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps.
+
+Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
+
+Threading: the writer thread calls ``hold``; the training thread ``take`` and
+``newest``; a lock guards the entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptpilot.state import HostBufferPool, Snapshot
+
+
+@dataclass(frozen=True)
+class MemoryEntry:
+    step: int
+    level: str
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    nbytes: int
+
+
+class MemoryTier:
+    name = "memory"
+
+    def __init__(self, max_bytes: int, pool: HostBufferPool) -> None:
+        self.max_bytes = max_bytes
+        self._pool = pool
+        self._entry: MemoryEntry | None = None
+        self._lock = threading.Lock()
+
+    def hold(self, snapshot: Snapshot, level: str) -> bool:
+        """Keep ``snapshot`` (which the caller gives up) as the newest; False when it is over
+        ``max_bytes`` (then its buffers go back to the pool and the tier keeps what it had).
+        An older snapshot than the one held is returned to the pool too."""
+        with self._lock:
+            held = self._entry
+            if snapshot.nbytes > self.max_bytes or (held is not None
+                                                    and held.step > snapshot.step):
+                self._pool.give_back(snapshot.tensors)
+                return False
+            self._entry = MemoryEntry(snapshot.step, level, snapshot.tensors, snapshot.meta,
+                                      snapshot.nbytes)
+        if held is not None:
+            self._pool.give_back(held.tensors)
+        return True
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """Buffers for the next capture: a free pool set, else the ones held here."""
+        reuse = self._pool.take()
+        if reuse:
+            return reuse
+        with self._lock:
+            held, self._entry = self._entry, None
+        return held.tensors if held is not None else {}
+
+    def newest(self) -> MemoryEntry | None:
+        with self._lock:
+            return self._entry
+
+    def drop_after(self, step: int) -> None:
+        """Forget a checkpoint newer than ``step`` (a run restored to an earlier step must not
+        come back to the continuation it abandoned)."""
+        with self._lock:
+            held = self._entry
+            if held is None or held.step <= step:
+                return
+            self._entry = None
+        self._pool.give_back(held.tensors)

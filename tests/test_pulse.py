@@ -1,0 +1,161 @@
+"""Pulses through the codecs on the remote tier, and the memory tier (in-process restore)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import torch
+
+from ckptpilot import CheckpointPilot, RecoverySource
+from ckptpilot.codecs import read_index
+from ckptpilot.storage import archive
+from ckptpilot.storage.metadata import MetadataStore
+
+
+def policy_file(tmp_path: Path, *, memory: bool = True, memory_max: str = "1GiB",
+                weights: str = "xor_delta", bandwidth: str = "1MB") -> Path:
+    """Every step saved, every save a pulse. A slow remote (1 MB/s) makes ``auto`` weigh
+    codecs even for these small tensors (at 2 GB/s it sends anything under 2 MB raw)."""
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text(textwrap.dedent(f"""\
+        scheduler: {{base_interval: 1, min_interval: 1, max_interval: 100000,
+                    young_daly: false, organ_every: 1000,
+                    weights: {{loss: 1.0, grad: 0.0, system: 0.0}},
+                    loss: {{slope_threshold: 1000.0}}}}
+        codecs: {{weights: {weights}}}
+        tiers: {{memory: {{enabled: {str(memory).lower()}, max_bytes: {memory_max}}},
+                remote: {{bandwidth: {bandwidth}}}}}
+        observability: {{tensorboard: false, decision_log: false}}
+        """))
+    return cfg
+
+
+class Job:
+    def __init__(self, cfg: Path, run_dir: Path) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(),
+                                         torch.nn.Linear(256, 8))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(128, 32, generator=torch.Generator().manual_seed(3))
+        self.pilot = CheckpointPilot(cfg, model=self.model, optimizer=self.opt, run_dir=run_dir)
+        self.t = 0
+
+    def step(self, observe: bool = True) -> None:
+        idx = torch.arange(self.t * 16, self.t * 16 + 16) % 128
+        self.t += 1
+        self.opt.zero_grad()
+        self.model(self.x[idx]).pow(2).mean().backward()
+        self.opt.step()
+        if observe:
+            self.pilot.observe()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {f"model/{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for pid, st in self.opt.state_dict()["state"].items():
+            out.update({f"opt/{pid}/{k}": v.clone() for k, v in st.items()})
+        return out
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k, ta in a.items():
+        tb = b[k]
+        assert ta.dtype == tb.dtype and ta.shape == tb.shape, k
+        assert torch.equal(ta.reshape(-1).view(torch.uint8),
+                           tb.reshape(-1).view(torch.uint8)), f"{k} differs bit-wise"
+
+
+def test_fifty_pulses_then_a_restore_reads_one_state_bit_exactly(tmp_path: Path) -> None:
+    cfg, run_dir = policy_file(tmp_path), tmp_path / "run"
+    job = Job(cfg, run_dir)
+    for _ in range(50):
+        job.step()
+    job.pilot.close()
+    expected = job.state()
+    saves = job.pilot.saves
+    assert [r.level for r in saves] == ["pulse"] * 50 and saves[-1].step == 50
+
+    newest = run_dir / "checkpoints" / archive.checkpoint_name(50, 0)
+    assert (newest / archive.CONTAINER_FILE).exists()
+    assert not (newest / archive.TENSORS_FILE).exists()
+    with open(newest / archive.CONTAINER_FILE, "rb") as f:
+        codecs = {e.name: e.codec for e in read_index(f).tensors}
+    # The big float tensors compress; a pulse on a passive store is self-contained, so the
+    # weights take byteplane (xor_delta's non-delta half), never a delta needing a base.
+    assert codecs["model/0.weight"] == "byteplane"
+    assert codecs["optimizer/state/0/exp_avg_sq"] in ("byteplane", "prefix_index")
+    assert "xor_delta" not in codecs.values()
+    with MetadataStore(run_dir / "metadata.sqlite") as store:
+        row = store.get(("run", 50, 0, "remote"))
+    assert row is not None and "byteplane" in row.codec
+    assert row.bytes_encoded < row.bytes_raw
+
+    again = Job(cfg, run_dir)
+    assert again.pilot.restore() == 50
+    rec = again.pilot.last_recovery
+    assert rec is not None and rec.source is RecoverySource.REMOTE and rec.level == "pulse"
+    # Exactly one state was read — the newest pulse — no chain of deltas behind it.
+    one_state = saves[-1].bytes_raw + (newest / archive.STATE_FILE).stat().st_size
+    assert rec.bytes_read == saves[-1].bytes <= one_state
+    assert_bit_equal(again.state(), expected)
+    again.pilot.close()
+
+
+def test_an_in_process_restore_comes_from_memory_and_aliases_nothing(tmp_path: Path) -> None:
+    cfg, run_dir = policy_file(tmp_path), tmp_path / "run"
+    job = Job(cfg, run_dir)
+    for _ in range(6):
+        job.step()
+    job.pilot.flush()
+    at_6 = job.state()
+    for _ in range(3):  # diverge (e.g. a loss spike) without reaching a step boundary
+        job.step(observe=False)
+    assert job.pilot.restore() == 6
+    rec = job.pilot.last_recovery
+    assert rec is not None and rec.source is RecoverySource.MEMORY and rec.level == "pulse"
+    assert rec.bytes_read == job.pilot.saves[-1].bytes_raw
+    assert_bit_equal(job.state(), at_6)
+
+    # The restored optimizer state must not share memory with the tier's buffers, which the
+    # next captures reuse: train on, saving every step, and compare with a run that never
+    # diverged nor restored, trained on the same batches.
+    for _ in range(4):
+        job.step()
+    job.pilot.close()
+    ref = Job(cfg, tmp_path / "ref")
+    for _ in range(6):
+        ref.step()
+    ref.t = job.t - 4
+    for _ in range(4):
+        ref.step()
+    ref.pilot.close()
+    assert_bit_equal(job.state(), ref.state())
+
+
+def test_a_state_over_max_bytes_is_not_kept_in_memory(tmp_path: Path) -> None:
+    cfg, run_dir = policy_file(tmp_path, memory_max="1KiB"), tmp_path / "run"
+    job = Job(cfg, run_dir)
+    for _ in range(3):
+        job.step()
+    job.pilot.flush()
+    assert job.pilot.memory is not None and job.pilot.memory.newest() is None
+    assert job.pilot.restore() == 3
+    rec = job.pilot.last_recovery
+    assert rec is not None and rec.source is RecoverySource.REMOTE
+    job.pilot.close()
+
+
+def test_weights_with_a_fixed_codec_and_no_memory_tier(tmp_path: Path) -> None:
+    cfg = policy_file(tmp_path, memory=False, weights="zstd", bandwidth="2GB")
+    job = Job(cfg, tmp_path / "run")
+    for _ in range(2):
+        job.step()
+    job.pilot.close()
+    assert job.pilot.memory is None
+    with open(tmp_path / "run" / "checkpoints" / archive.checkpoint_name(2, 0) /
+              archive.CONTAINER_FILE, "rb") as f:
+        codecs = {e.name: e.codec for e in read_index(f).tensors}
+    assert {c for n, c in codecs.items() if n.startswith("model/")} == {"zstd"}
+    # At 2 GB/s, tensors this small (< 2 MB) are not worth a trial: auto sends them raw.
+    assert {c for n, c in codecs.items() if not n.startswith("model/")} == {"raw"}
