@@ -279,12 +279,17 @@ class PeerTierPolicy(_Section):
     endpoints: Annotated[tuple[_Endpoint, ...], BeforeValidator(_list_to_tuple)] = ()
     data_shards: int = Field(3, ge=1)
     parity: bool = True
+    lease_seconds: float = Field(600.0, gt=0)
+    timeout_seconds: float = Field(10.0, gt=0)
+    probe_interval: float = Field(1.0, gt=0)
+    bandwidth: _ByteSize = 10**9
 
 
 class RemoteTierPolicy(_Section):
     """Remote persistent tier: an fsspec URL or a local path."""
 
     url: str = Field("{run_dir}/checkpoints", min_length=1)
+    bandwidth: _ByteSize = 2 * 10**9
 
 
 class TiersPolicy(_Section):
