@@ -81,14 +81,14 @@ def test_fifty_pulses_then_a_restore_reads_one_state_bit_exactly(tmp_path: Path)
     assert not (newest / archive.TENSORS_FILE).exists()
     with open(newest / archive.CONTAINER_FILE, "rb") as f:
         codecs = {e.name: e.codec for e in read_index(f).tensors}
-    # The big float tensors compress; a pulse on a passive store is self-contained, so the
-    # weights take byteplane (xor_delta's non-delta half), never a delta needing a base.
-    assert codecs["model/0.weight"] == "byteplane"
+    # To a slow tier the big float tensors compress; a pulse on a passive store is
+    # self-contained, so the weights too go through auto, never a delta needing a base.
+    assert codecs["model/0.weight"] in ("byteplane", "prefix_index")
     assert codecs["optimizer/state/0/exp_avg_sq"] in ("byteplane", "prefix_index")
     assert "xor_delta" not in codecs.values()
     with MetadataStore(run_dir / "metadata.sqlite") as store:
         row = store.get(("run", 50, 0, "remote"))
-    assert row is not None and "byteplane" in row.codec
+    assert row is not None and ("byteplane" in row.codec or "prefix_index" in row.codec)
     assert row.bytes_encoded < row.bytes_raw
 
     again = Job(cfg, run_dir)

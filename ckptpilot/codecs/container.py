@@ -19,8 +19,10 @@ Layout, format version 1 (integers little-endian)::
                        crc32 of the index (u32), crc32 of the 28 trailer bytes before (u32)
 
 The index is written last, so a stream cut short has no valid trailer and is rejected as a
-whole; memory stays bounded by the two largest blobs in flight, not by the state. Reading needs
-a seekable file; it checks the trailer, index and each blob's checksums, the header of every
+whole. Encoding works on batches (one tensor, or consecutive small ones up to 4 MiB) with at
+most two in flight, so the writer's memory stays bounded by the largest tensor (or 4 MiB), not
+by the state; the reader returns the whole state, so it holds that. Reading needs a seekable
+file; it checks the trailer, index and each blob's checksums, the header of every
 blob against its index entry, and the SHA256 of every decoded tensor, and returns nothing
 unless everything holds.
 """
@@ -33,7 +35,7 @@ import json
 import struct
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
@@ -54,6 +56,11 @@ _CRC = struct.Struct("<I")
 _HEADER_MAGIC = b"CKPTCONT"
 _TRAILER_MAGIC = b"CKPTTAIL"
 _IN_FLIGHT = 2
+# Tensors go to the worker threads in batches of about this many bytes, and only a tensor of
+# at least _OVERLAP_BYTES has its SHA256 on a thread of its own: a thread hand-off costs tens
+# of microseconds, more than encoding or hashing a small tensor (states hold many of those).
+_BATCH_BYTES = 4 << 20
+_OVERLAP_BYTES = 1 << 20
 
 CodecFor = Callable[[str, torch.Tensor], tuple[Codec, torch.Tensor | None]]
 """``codec_for(name, tensor) -> (codec, base)``: how to encode each tensor (base may be None)."""
@@ -133,15 +140,23 @@ def write_container(
             name, tensor = item
             if not isinstance(name, str):
                 raise TypeError(f"tensor names must be strings, got {name!r}")
-            digest = hasher.submit(_sha256, tensor)
+            small = tensor.numel() * tensor.element_size() < _OVERLAP_BYTES
+            digest = None if small else hasher.submit(_sha256, tensor)
             codec, base = codec_for(name, tensor)
             try:
                 parts = codec.encode_parts(tensor, base)
             except ValueError as exc:
                 raise ValueError(f"tensor {name!r}: {exc}") from exc
-            return name, parts, digest.result()
+            return name, parts, _sha256(tensor) if digest is None else digest.result()
 
-        entries = tuple(_write_blob(out, *item) for item in _pipelined(encode, tensors.items()))
+        def encode_batch(batch: list[tuple[str, torch.Tensor]]
+                         ) -> list[tuple[str, list[Buffer], str]]:
+            return [encode(item) for item in batch]
+
+        entries = tuple(_write_blob(out, *item)
+                        for done in _pipelined(encode_batch, _batched(
+                            tensors.items(), lambda kv: kv[1].numel() * kv[1].element_size()))
+                        for item in done)
     meta_offset = out.offset
     out.write(meta_bytes)
     index = ContainerIndex(
@@ -248,17 +263,23 @@ def read_container(
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptpilot-sha256") as hasher:
 
-        def decode(
-            item: tuple[TensorEntry, np.ndarray],
-        ) -> tuple[TensorEntry, torch.Tensor, Future[str]]:
+        def decode(item: tuple[TensorEntry, np.ndarray]) -> tuple[TensorEntry, torch.Tensor, str]:
             entry, blob = item
             tensor = _decode_entry(entry, blob, bases, threads)
+            if entry.raw_bytes < _OVERLAP_BYTES:
+                return entry, tensor, _sha256(tensor)
             return entry, tensor, hasher.submit(_sha256, tensor)  # overlaps the next decode
 
-        decoded = list(_pipelined(decode, (read(entry) for entry in index.tensors)))
+        def decode_batch(batch: list[tuple[TensorEntry, np.ndarray]]
+                         ) -> list[tuple[TensorEntry, torch.Tensor, Any]]:
+            return [decode(item) for item in batch]
+
+        blobs = _batched((read(entry) for entry in index.tensors), lambda eb: eb[0].raw_bytes)
+        decoded = [item for done in _pipelined(decode_batch, blobs) for item in done]
         for entry, _, digest in decoded:
-            if digest.result() != entry.sha256:
-                raise IntegrityError(f"tensor {entry.name!r}", entry.sha256, digest.result())
+            found = digest if isinstance(digest, str) else digest.result()
+            if found != entry.sha256:
+                raise IntegrityError(f"tensor {entry.name!r}", entry.sha256, found)
     return {entry.name: tensor for entry, tensor, _ in decoded}, meta
 
 
@@ -354,6 +375,20 @@ class _Writer:
                 raise OSError("the container stream is non-blocking and not ready for writing")
             view = view[written:]
             self.offset += written
+
+
+def _batched(items: Iterable[_T], nbytes: Callable[[_T], int]) -> Iterator[list[_T]]:
+    """Consecutive items in lists of about ``_BATCH_BYTES`` (as ``nbytes`` counts them)."""
+    batch: list[_T] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += nbytes(item)
+        if size >= _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _pipelined(fn: Callable[[_T], _R], items: Iterable[_T]) -> Iterable[_R]:

@@ -8,8 +8,9 @@ again, so a choice is kept per tensor (name, dtype, shape) and tried afresh only
 step 10 000). Must not: do I/O or know the container's layout.
 
 ``xor_delta`` needs a base; a tensor given none (a self-contained pulse on a passive store,
-the first save, a changed shape) is encoded with ``byteplane``, the non-delta half of
-``xor_delta``.
+the first save, a changed shape) goes through ``auto`` like the other families: without a base
+the XOR saves nothing, and ``auto`` keeps ``byteplane`` (xor_delta's non-delta half) only
+where it pays against the tier's bandwidth.
 
 Threading: ``codec_for`` may be called from the container's encoder thread while the writer
 thread calls ``new_save``; a lock guards the memory of choices.
@@ -57,7 +58,8 @@ class CodecSelector:
                                               prefix_bits=prefix_bits, overlap=True, **entropy)
             else:
                 self._codecs[fam] = _build(codec_name, prefix_bits=prefix_bits, **entropy)
-        self._fallback = get_codec("byteplane", **entropy)
+        self._no_base = AutoCodec(bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                                  prefix_bits=prefix_bits, overlap=True, **entropy)
         self._retry_every = retry_every
         self._saves = 0
         self._chosen: dict[tuple[str, torch.dtype, tuple[int, ...], bool], tuple[Codec, int]] = {}
@@ -73,7 +75,9 @@ class CodecSelector:
         codec = self._codecs[family(name)]
         fits = base is not None and base.dtype == tensor.dtype and base.shape == tensor.shape
         if codec.codec_id == "xor_delta":
-            return (codec, base) if fits else (self._fallback, None)
+            if fits:
+                return codec, base
+            codec = self._no_base
         if not isinstance(codec, AutoCodec):
             return codec, None
         key = (name, tensor.dtype, tuple(tensor.shape), fits)

@@ -1,0 +1,59 @@
+"""CodecSelector: which codec each tensor of a state gets, and when auto tries again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptpilot.codecs.auto import AutoCodec
+from ckptpilot.codecs.selector import CodecSelector, family
+
+
+def test_families_follow_the_capture_paths() -> None:
+    assert family("model/fc.weight") == "weights"
+    assert family("optimizer/state/0/exp_avg") == "optimizer"
+    assert family("rng/torch_cpu") == "other"
+
+
+def test_unknown_family_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown tensor families"):
+        CodecSelector({"moments": "raw"}, bandwidth_bytes_per_s=1e9)
+
+
+def test_xor_delta_needs_a_fitting_base_else_auto_decides() -> None:
+    sel = CodecSelector({"weights": "xor_delta", "optimizer": "zstd", "other": "raw"},
+                        bandwidth_bytes_per_s=1e6)
+    w = torch.randn(64, 64)
+    codec, base = sel.codec_for("model/w", w, w + 1)
+    assert codec.codec_id == "xor_delta" and base is not None
+    codec, base = sel.codec_for("model/w", w, torch.randn(8))
+    assert codec.codec_id != "xor_delta" and base is None
+    codec, base = sel.codec_for("model/w", w)
+    assert codec.codec_id in ("byteplane", "prefix_index", "raw") and base is None
+    assert sel.codec_for("optimizer/x", w)[0].codec_id == "zstd"
+    assert sel.codec_for("rng/x", w)[0].codec_id == "raw"
+
+
+def test_auto_choices_are_remembered_until_retry_every_saves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    original = AutoCodec.choose
+
+    def counting(self: AutoCodec, tensor: torch.Tensor, base: torch.Tensor | None = None
+                 ) -> tuple[object, object]:
+        calls.append("choose")
+        return original(self, tensor, base)
+
+    monkeypatch.setattr(AutoCodec, "choose", counting)
+    sel = CodecSelector({}, bandwidth_bytes_per_s=1e6, retry_every=3)
+    t = torch.randn(4096)
+    for _ in range(3):
+        sel.new_save()
+        sel.codec_for("optimizer/a", t)
+    assert len(calls) == 1
+    sel.new_save()  # the 4th save: 3 saves after the choice, tried again
+    sel.codec_for("optimizer/a", t)
+    assert len(calls) == 2
+    sel.codec_for("optimizer/a", torch.randn(8, 512))  # another shape: a new choice
+    assert len(calls) == 3
+    assert set(sel.choices()) == {"optimizer/a"}
