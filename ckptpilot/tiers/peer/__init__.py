@@ -1,0 +1,23 @@
+"""The peer tier: checkpoint shards with XOR parity in the memory of other nodes (SPEC §6).
+
+``protocol`` (wire frames) ← ``daemon`` + ``store`` (``ckptpilot peer serve``) and
+``placement`` + ``parity`` ← ``client`` (:class:`PeerTier`, what the pilot uses).
+"""
+
+from ckptpilot.tiers.peer.client import PeerFetchResult, PeerPutResult, PeerTier
+from ckptpilot.tiers.peer.errors import (
+    NotEnoughPeers,
+    PeerRequestError,
+    PeerUnavailable,
+    ProtocolError,
+)
+
+__all__ = [
+    "NotEnoughPeers",
+    "PeerFetchResult",
+    "PeerPutResult",
+    "PeerRequestError",
+    "PeerTier",
+    "PeerUnavailable",
+    "ProtocolError",
+]
