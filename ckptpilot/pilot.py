@@ -29,6 +29,8 @@ consumed at step t+1), so all ranks save at the same global steps without a barr
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -141,6 +143,24 @@ class _SaveRequest:
 
 RECOVER_PIN = "recover.json"
 MAX_RECOVERY_WALK = 5
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Give the heap that encoding freed back to the system (glibc keeps freed heap memory
+    of its worker-thread arenas; measured, a 100 MB state's pulses then grew the process by
+    a further ~0.8 state). A few milliseconds per pulse, on the writer thread."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _codec_summary(staged: StagedArchive) -> str:
@@ -476,6 +496,8 @@ class CheckpointPilot:
                                  reason=request.reason, retention_class=request.retention_class,
                                  score=request.score, codec_for=codec_for)
             write_seconds = time.perf_counter() - t0
+            if codec_for is not None:
+                _trim_heap()
             key = (self.run_id, snapshot.step, self.rank, "remote")
             self._retire_existing(key, staged.name)
             metric_name, metric_value = request.metric or (None, None)
@@ -528,7 +550,7 @@ class CheckpointPilot:
             raise
         finally:
             if not kept:
-                self._pool.give_back(snapshot.tensors)
+                self._pool.give_back(snapshot)
             self._slots.release()
 
     def _retire_existing(self, key: tuple[str, int, int, str], name: str) -> None:
@@ -621,10 +643,11 @@ class CheckpointPilot:
                              skipped: list[SkippedCheckpoint]) -> None:
         # Clones: an optimizer's load_state_dict may keep the very tensors it is given, and
         # these buffers go back to the snapshot pool for the next capture.
-        self._apply(held.meta, lambda key: held.tensors[key].clone())
+        snap = held.snapshot
+        self._apply(snap.meta, lambda key: snap.tensors[key].clone())
         self._after_restore(held.step, Level(held.level))
         self.last_recovery = self._report(RecoverySource.MEMORY, held.step, held.level, t0,
-                                          f"memory:step {held.step}", skipped, held.nbytes)
+                                          f"memory:step {held.step}", skipped, snap.nbytes)
         log.info("restored step %d from the memory tier in %.2f s", held.step,
                  self.last_recovery.seconds)
 

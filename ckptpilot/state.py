@@ -11,9 +11,10 @@ changes what is stored.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,20 +57,30 @@ class Snapshot:
 
     ``tensors`` holds contiguous CPU tensors keyed by path (``model/fc.weight``,
     ``optimizer/state/0/exp_avg``, ``rng/torch_cpu`` …); ``meta`` is JSON-able and refers to
-    them with ``{"__tensor__": name}``.
+    them with ``{"__tensor__": name}``. A captured snapshot's tensors are views of one
+    contiguous byte buffer, ``arena``, laid out widest element first (so every view is
+    aligned) in the order of ``tensors``: that is the data section of the organ's safetensors
+    file and the image the peer tier shards, with no copy.
     """
 
     step: int
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
+    arena: torch.Tensor | None = None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    @property
+    def layout(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        """(name, dtype, shape) in arena order: two snapshots with equal layouts have arenas
+        that are byte-for-byte comparable."""
+        return tuple((k, t.dtype, tuple(t.shape)) for k, t in self.tensors.items())
+
 
 class BufferSource(Protocol):
-    def take(self) -> dict[str, torch.Tensor]: ...
+    def take(self) -> Snapshot | None: ...
 
 
 class HostBufferPool:
@@ -83,38 +94,36 @@ class HostBufferPool:
 
     def __init__(self, max_sets: int) -> None:
         self._max_sets = max_sets
-        self._sets: list[dict[str, torch.Tensor]] = []
+        self._sets: list[Snapshot] = []
         self._lock = threading.Lock()
 
-    def take(self) -> dict[str, torch.Tensor]:
+    def take(self) -> Snapshot | None:
         with self._lock:
-            return self._sets.pop() if self._sets else {}
+            return self._sets.pop() if self._sets else None
 
-    def give_back(self, tensors: dict[str, torch.Tensor]) -> None:
+    def give_back(self, snapshot: Snapshot) -> None:
+        """Return a snapshot whose contents nobody needs any more; its buffers get reused."""
+        if snapshot.arena is None:
+            return
         with self._lock:
             if len(self._sets) < self._max_sets:
-                self._sets.append(tensors)
+                self._sets.append(snapshot)
 
 
 class _Encoder:
-    """Turns a nested state structure into JSON plus named tensor copies."""
+    """Turns a nested state structure into JSON plus named tensor copies in one arena.
 
-    def __init__(self, reuse: dict[str, torch.Tensor]) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+    Tensors are collected first and copied in ``finish``, once their total size is known.
+    """
+
+    def __init__(self, reuse: Snapshot | None) -> None:
+        self._sources: dict[str, torch.Tensor] = {}
         self._reuse = reuse
-        self._cuda_copies = False
 
     def tensor(self, name: str, value: torch.Tensor) -> dict[str, str]:
-        if name in self.tensors:
+        if name in self._sources:
             raise StateError(f"{name}: two tensors map to the same checkpoint key")
-        src = value.detach()
-        buf = self._reuse.get(name)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                              pin_memory=src.is_cuda)
-        buf.copy_(src, non_blocking=src.is_cuda)
-        self._cuda_copies |= src.is_cuda
-        self.tensors[name] = buf
+        self._sources[name] = value.detach()
         return {_TENSOR: name}
 
     def encode(self, value: Any, path: str) -> Any:
@@ -138,10 +147,46 @@ class _Encoder:
             f"{path}: cannot checkpoint a value of type {type(value).__qualname__}; "
             "state must be tensors, numbers, strings, None, lists, tuples or dicts of those")
 
-    def finish(self) -> dict[str, torch.Tensor]:
-        if self._cuda_copies:
+    def finish(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Copy every collected tensor into the arena (reused when the layout is unchanged)."""
+        order = sorted(self._sources.items(), key=lambda kv: -kv[1].element_size())
+        layout = tuple((k, t.dtype, tuple(t.shape)) for k, t in order)
+        reuse = self._reuse
+        if reuse is not None and reuse.arena is not None and reuse.layout == layout:
+            arena, views = reuse.arena, reuse.tensors
+        else:
+            total = sum(t.numel() * t.element_size() for _, t in order)
+            pinned = any(t.is_cuda for _, t in order)
+            arena = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+            views, offset = {}, 0
+            for name, src in order:
+                n = src.numel() * src.element_size()
+                views[name] = arena[offset:offset + n].view(src.dtype).reshape(src.shape)
+                offset += n
+        cuda = False
+        for name, src in order:
+            views[name].copy_(src, non_blocking=src.is_cuda)
+            cuda |= src.is_cuda
+        if cuda:
             torch.cuda.synchronize()
-        return self.tensors
+        return views, arena
+
+
+def arena_views(arena: torch.Tensor,
+                layout: Sequence[tuple[str, torch.dtype, Sequence[int]]]
+                ) -> dict[str, torch.Tensor]:
+    """The tensors of ``layout`` as views of ``arena`` (a uint8 buffer in arena order)."""
+    views, offset = {}, 0
+    for name, dtype, shape in layout:
+        n = math.prod(shape) * dtype.itemsize
+        if offset + n > arena.numel():
+            raise StateError(f"{name}: the arena ends at byte {arena.numel()}, the layout "
+                             f"needs {offset + n}")
+        views[name] = arena[offset:offset + n].view(dtype).reshape(tuple(shape))
+        offset += n
+    if offset != arena.numel():
+        raise StateError(f"the layout covers {offset} bytes, the arena has {arena.numel()}")
+    return views
 
 
 def decode(value: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
@@ -190,8 +235,10 @@ def _set_rng_state(rng: dict[str, Any], get_tensor: Callable[[str], torch.Tensor
         "has_gauss": np_rng["has_gauss"],
         "gauss": np_rng["gauss"],
     })
-    torch.set_rng_state(get_tensor(rng["torch_cpu"][_TENSOR]))
-    cuda = [get_tensor(ref[_TENSOR]) for ref in rng["cuda"]]
+    # Fresh tensors: the generators read the storage from its start, so a view into a
+    # snapshot's arena (storage offset > 0) crashes torch.set_rng_state.
+    torch.set_rng_state(get_tensor(rng["torch_cpu"][_TENSOR]).clone())
+    cuda = [get_tensor(ref[_TENSOR]).clone() for ref in rng["cuda"]]
     if cuda:
         if not torch.cuda.is_available() or torch.cuda.device_count() < len(cuda):
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -205,7 +252,7 @@ def capture(components: TrainingComponents, *, step: int, epoch: int | None = No
             extras: Mapping[str, Any] | None = None, rank: int = 0, world_size: int = 1,
             pool: BufferSource | None = None) -> Snapshot:
     """Copy the complete training state into host memory owned by the returned snapshot."""
-    enc = _Encoder(pool.take() if pool is not None else {})
+    enc = _Encoder(pool.take() if pool is not None else None)
     model_sd = components.model.state_dict()
     for name, tensor in model_sd.items():
         enc.tensor(f"model/{name}", tensor)
@@ -224,7 +271,8 @@ def capture(components: TrainingComponents, *, step: int, epoch: int | None = No
         meta[key] = None if obj is None else enc.encode(obj.state_dict(), key)
     meta["extras"] = enc.encode(dict(extras or {}), "extras")
     meta["rng"] = _rng_state(enc)
-    return Snapshot(step=step, tensors=enc.finish(), meta=meta)
+    tensors, arena = enc.finish()
+    return Snapshot(step=step, tensors=tensors, meta=meta, arena=arena)
 
 
 def apply(components: TrainingComponents, meta: Mapping[str, Any],

@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from ckptpilot.state import HostBufferPool, Snapshot
 
 
 @dataclass(frozen=True)
 class MemoryEntry:
-    step: int
+    snapshot: Snapshot
     level: str
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
-    nbytes: int
+
+    @property
+    def step(self) -> int:
+        return self.snapshot.step
 
 
 class MemoryTier:
@@ -50,23 +48,22 @@ class MemoryTier:
         with self._lock:
             held = self._entry
             if snapshot.nbytes > self.max_bytes or (held is not None
-                                                    and held.step > snapshot.step):
-                self._pool.give_back(snapshot.tensors)
+                                                    and held.snapshot.step > snapshot.step):
+                self._pool.give_back(snapshot)
                 return False
-            self._entry = MemoryEntry(snapshot.step, level, snapshot.tensors, snapshot.meta,
-                                      snapshot.nbytes)
+            self._entry = MemoryEntry(snapshot, level)
         if held is not None:
-            self._pool.give_back(held.tensors)
+            self._pool.give_back(held.snapshot)
         return True
 
-    def take(self) -> dict[str, torch.Tensor]:
+    def take(self) -> Snapshot | None:
         """Buffers for the next capture: a free pool set, else the ones held here."""
         reuse = self._pool.take()
-        if reuse:
+        if reuse is not None:
             return reuse
         with self._lock:
             held, self._entry = self._entry, None
-        return held.tensors if held is not None else {}
+        return held.snapshot if held is not None else None
 
     def newest(self) -> MemoryEntry | None:
         with self._lock:
@@ -77,7 +74,7 @@ class MemoryTier:
         come back to the continuation it abandoned)."""
         with self._lock:
             held = self._entry
-            if held is None or held.step <= step:
+            if held is None or held.snapshot.step <= step:
                 return
             self._entry = None
-        self._pool.give_back(held.tensors)
+        self._pool.give_back(held.snapshot)
