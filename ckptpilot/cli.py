@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     va = run_parser("validate", "re-verify every checkpoint; mark failures corrupted")
     va.add_argument("--rebuild", action="store_true",
                     help="recreate a lost metadata database from the checkpoint manifests")
+    from ckptpilot.tiers.peer.daemon import add_peer_parser
+
+    add_peer_parser(sub)
     return parser
 
 
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     from ckptpilot.policy import load_policy
 
     try:
+        if args.command == "peer":
+            from ckptpilot.tiers.peer.daemon import run_peer_command
+
+            return run_peer_command(args)
         if args.command == "demo":
             return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
         policy = load_policy(args.config, run_dir=args.run_dir)

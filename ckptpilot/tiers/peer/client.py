@@ -1,0 +1,614 @@
+"""The peer tier's client: put a checkpoint image as N data shards + 1 XOR parity shard in the
+memory of N+1 peers, and fetch it back, surviving the loss of any one (SPEC §6).
+
+Owns: striping and placing shards, choosing between full shards and per-shard XOR deltas,
+committing, discovering what peers hold (LIST), fetching with SHA256 checks and parity
+rebuild, and renewing the run's lease. Must not: interpret the image or the meta (the pilot's
+container format does), or fall back to other tiers (it raises :class:`PeerUnavailable`).
+
+Delta puts: ``put(c, image, meta, base=(b, base_image))`` sends each shard as the XOR delta
+against the same shard of ``b`` to the peer that holds it (XOR parity is linear, so the
+parity peer gets the delta of the parity). The peer folds it into its copy of ``b`` in the
+background, so every holder keeps one full state and a fetch reads exactly N shards, never
+a chain. A peer that no longer has the base (restarted empty) gets the full shard; one that
+cannot be reached is replaced by a newly chosen peer, which gets the full shard.
+
+Commit: once every shard is acknowledged, COMMIT goes to every reachable endpoint. Holders
+of the new checkpoint then drop the run's older states (after their folds succeed); other
+peers drop stale copies of the run. A put that fails half-way is never committed, so the
+previous committed checkpoint stays recoverable.
+
+Threading: ``put`` and ``fetch`` may be called from one thread at a time each (the pilot's
+background writer, the restoring thread); they spread their transfers over an internal
+thread pool. A daemon thread renews the lease every ``lease_seconds / 3`` until
+:meth:`PeerTier.close`; a placement thread probes the peers every ``probe_interval``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptpilot.tiers.peer.errors import (
+    NotEnoughPeers,
+    PeerRequestError,
+    PeerUnavailable,
+    ProtocolError,
+)
+from ckptpilot.tiers.peer.parity import as_bytes, join, rebuild, shard_size, split, xor_of
+from ckptpilot.tiers.peer.placement import Placement, describe_failure
+from ckptpilot.tiers.peer.protocol import (
+    MAX_META_BYTES,
+    Buffer,
+    Frame,
+    Op,
+    call,
+    parse_endpoint,
+    shard_tensor,
+)
+
+if TYPE_CHECKING:
+    from ckptpilot.policy import PeerTierPolicy
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ERRORS = (OSError, ProtocolError, PeerRequestError)
+_LAYOUTS_KEPT = 4
+
+
+@dataclass(frozen=True)
+class PeerPutResult:
+    """What a put did. ``endpoints[i]`` holds shard ``i`` (the parity shard is last);
+    ``bytes_sent`` counts shard bytes and encoded deltas, not headers or meta."""
+
+    ckpt_id: int
+    endpoints: tuple[str, ...]
+    bytes_sent: int
+    full_shards: int
+    delta_shards: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PeerFetchResult:
+    """A fetched checkpoint. ``bytes_fetched`` counts shard bytes received (N data shards
+    when nothing was lost; plus the parity shard when one had to be rebuilt)."""
+
+    ckpt_id: int
+    image: bytearray
+    meta: bytes
+    bytes_fetched: int
+    rebuilt_shard: int | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a checkpoint's shards went (or were found), by shard index."""
+
+    ckpt_id: int
+    image_len: int
+    shard_size: int
+    data_shards: int
+    endpoints: tuple[str | None, ...]
+
+
+@dataclass
+class _Stripe:
+    """A checkpoint as the peers' LIST replies describe it."""
+
+    ckpt_id: int
+    data_shards: int
+    shard_count: int
+    image_len: int
+    shard_size: int
+    committed: bool = False
+    holders: dict[int, list[str]] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.shard_count) if not self.holders.get(i)]
+
+    def recoverable(self) -> bool:
+        lost = self.missing()
+        has_parity = self.shard_count > self.data_shards
+        return self.committed and (not lost or (has_parity and len(lost) == 1))
+
+
+@dataclass
+class _Claims:
+    """Peers taken by one put, so that re-chosen peers stay distinct."""
+
+    taken: set[str]
+    failed: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class PeerTier:
+    """Checkpoints in the memory of peer daemons (see the module docstring).
+
+    Lifecycle: construct (probes every endpoint once), ``put`` / ``fetch`` / ``list`` any
+    number of times, :meth:`close` (or use as a context manager). Closing stops the lease
+    renewal, so the peers free this run's shards ``lease_seconds`` later unless another
+    :class:`PeerTier` with the same ``run_id`` takes over.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        run_id: str,
+        data_shards: int = 3,
+        parity: bool = True,
+        lease_seconds: float = 600.0,
+        timeout_seconds: float = 10.0,
+        probe_interval: float = 1.0,
+        is_down: Callable[[str], bool] | None = None,
+        rtt_tie_seconds: float = 0.0005,
+    ) -> None:
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= 256:
+            raise ValueError(f"run_id must be a non-empty string of at most 256 characters, "
+                             f"got {run_id!r}")
+        if data_shards < 1:
+            raise ValueError(f"data_shards must be >= 1, got {data_shards}")
+        for name, value in (("lease_seconds", lease_seconds),
+                            ("timeout_seconds", timeout_seconds),
+                            ("probe_interval", probe_interval)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        for endpoint in endpoints:
+            parse_endpoint(endpoint)
+        self.run_id = run_id
+        self.data_shards = data_shards
+        self.parity = parity
+        self.shard_count = data_shards + (1 if parity else 0)
+        if len(endpoints) < self.shard_count:
+            raise ValueError(f"{self.shard_count} shards need {self.shard_count} distinct peers, "
+                             f"got {len(endpoints)} endpoints; add peers or lower data_shards")
+        self.endpoints = tuple(endpoints)
+        self.lease_seconds = float(lease_seconds)
+        self.timeout_seconds = float(timeout_seconds)
+        from ckptpilot.codecs import get_codec
+
+        self._codec = get_codec("xor_delta", threads=1)
+        self._pool = ThreadPoolExecutor(max_workers=min(32, max(len(self.endpoints), 2)),
+                                        thread_name_prefix="ckptpilot-peer-io")
+        self._layouts: dict[int, _Layout] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.placement = Placement(self.endpoints, probe_interval=probe_interval,
+                                   timeout_seconds=timeout_seconds, is_down=is_down,
+                                   rtt_tie_seconds=rtt_tie_seconds)
+        self.placement.start()
+        self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                         name="ckptpilot-peer-lease")
+        self._renewer.start()
+
+    @classmethod
+    def from_policy(
+        cls,
+        policy: PeerTierPolicy,
+        *,
+        run_id: str,
+        is_down: Callable[[str], bool] | None = None,
+    ) -> PeerTier:
+        """A tier configured by ``tiers.peer`` of the policy file."""
+        return cls(policy.endpoints, run_id=run_id, data_shards=policy.data_shards,
+                   parity=policy.parity, lease_seconds=policy.lease_seconds,
+                   timeout_seconds=policy.timeout_seconds,
+                   probe_interval=policy.probe_interval, is_down=is_down)
+
+    def __enter__(self) -> PeerTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the background threads (idempotent); held shards stay until their lease ends."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._renewer.join()
+        self.placement.close()
+        self._pool.shutdown(wait=True)
+
+    # -------------------------------------------------------------------------------- put
+
+    def put(
+        self,
+        ckpt_id: int,
+        image: Buffer,
+        meta: Buffer,
+        *,
+        base: tuple[int, Buffer] | None = None,
+    ) -> PeerPutResult:
+        """Store ``image`` (with ``meta``, a few KB the caller needs to decode it) as
+        checkpoint ``ckpt_id``; with ``base=(base_id, base_image)`` send deltas where the
+        peers still hold ``base_id``. Raises :class:`PeerUnavailable` naming each shard that
+        could not be placed (nothing is committed then)."""
+        start = time.perf_counter()
+        self._check_open()
+        if isinstance(ckpt_id, bool) or not isinstance(ckpt_id, int) or ckpt_id < 0:
+            raise ValueError(f"ckpt_id must be an integer >= 0, got {ckpt_id!r}")
+        meta = bytes(meta)
+        if len(meta) > MAX_META_BYTES:
+            raise ValueError(f"meta of {len(meta)} bytes exceeds {MAX_META_BYTES}; keep it to "
+                             "a small description of the state")
+        image_len = as_bytes(image).size
+        size = shard_size(image_len, self.data_shards)
+        shards = split(image, self.data_shards)
+        if self.parity:
+            shards.append(xor_of(shards))
+        stripe = list(self._pool.map(_sha256, shards))
+        common = {"run_id": self.run_id, "ckpt_id": ckpt_id, "shard_count": self.shard_count,
+                  "data_shards": self.data_shards, "stripe": stripe, "image_len": image_len,
+                  "shard_size": size, "meta_len": len(meta),
+                  "meta_sha256": hashlib.sha256(meta).hexdigest(),
+                  "lease_seconds": self.lease_seconds}
+
+        targets: list[str | None] = [None] * self.shard_count
+        base_shards: list[np.ndarray | None] = [None] * self.shard_count
+        layout = self._base_layout(base[0], image_len, size) if base is not None else None
+        if base is not None and layout is not None:
+            old = split(base[1], self.data_shards)
+            if self.parity:
+                old.append(xor_of(old))
+            usable = {r.endpoint for r in self.placement.readings() if r.up and not r.avoided}
+            for i, endpoint in enumerate(layout.endpoints):
+                if endpoint in usable:
+                    targets[i], base_shards[i] = endpoint, old[i]
+        claims = _Claims({t for t in targets if t is not None})
+
+        def place(i: int) -> tuple[str, int, bool]:
+            header = {**common, "shard_index": i, "sha256": stripe[i],
+                      "kind": "parity" if i == self.data_shards else "data"}
+            return self._place(header, shards[i], base_shards[i], base, targets[i], meta,
+                               claims)
+
+        futures = [self._pool.submit(place, i) for i in range(self.shard_count)]
+        placed: list[tuple[str, int, bool] | None] = []
+        failures: dict[int, str] = {}
+        for i, fut in enumerate(futures):
+            try:
+                placed.append(fut.result())
+            except PeerUnavailable as e:
+                placed.append(None)
+                failures[i] = str(e)
+        if failures:
+            raise PeerUnavailable(
+                f"put of checkpoint {ckpt_id} of run {self.run_id!r} failed (nothing "
+                f"committed): {_describe(failures)}", failures)
+        done = [p for p in placed if p is not None]
+        endpoints = tuple(p[0] for p in done)
+        self._commit(ckpt_id, endpoints)
+        with self._lock:
+            self._layouts[ckpt_id] = _Layout(ckpt_id, image_len, size, self.data_shards,
+                                             endpoints)
+            for old_id in sorted(self._layouts)[:-_LAYOUTS_KEPT]:
+                del self._layouts[old_id]
+        deltas = sum(1 for p in done if p[2])
+        return PeerPutResult(ckpt_id, endpoints, sum(p[1] for p in done),
+                             len(done) - deltas, deltas, time.perf_counter() - start)
+
+    def _place(
+        self,
+        header: dict[str, Any],
+        shard: np.ndarray,
+        base_shard: np.ndarray | None,
+        base: tuple[int, Buffer] | None,
+        endpoint: str | None,
+        meta: bytes,
+        claims: _Claims,
+    ) -> tuple[str, int, bool]:
+        """Send one shard; returns (endpoint, bytes sent, was a delta). Tries a delta to the
+        base's holder first, then full shards to fresh peers until one takes it."""
+        reasons: list[str] = []
+        if endpoint is not None and base_shard is not None and base is not None:
+            blob = self._codec.encode(shard_tensor(shard), base=shard_tensor(base_shard))
+            try:
+                self._request(endpoint, Op.DELTA, {**header, "base_id": base[0]}, [meta, blob])
+                return endpoint, len(blob), True
+            except PeerRequestError as e:
+                if e.code != "no_base":
+                    reasons.append(f"@{endpoint}: {e.message}")
+                    endpoint = None
+                # else: the peer is fine but lost the base (restarted): send it the full shard
+            except (OSError, ProtocolError) as e:
+                reasons.append(f"@{endpoint}: {describe_failure(e)}")
+                endpoint = None
+        for _ in range(len(self.endpoints)):
+            if endpoint is None:
+                endpoint = self._claim(claims, reasons)
+            try:
+                self._request(endpoint, Op.PUT, header, [meta, shard])
+                return endpoint, shard.size, False
+            except _REQUEST_ERRORS as e:
+                reasons.append(f"@{endpoint}: {_reason(e)}")
+                with claims.lock:
+                    claims.failed.add(endpoint)
+                endpoint = None
+        raise PeerUnavailable("; ".join(reasons))
+
+    def _claim(self, claims: _Claims, reasons: list[str]) -> str:
+        """A usable peer no other shard of this put uses or failed on."""
+        with claims.lock:
+            try:
+                chosen = self.placement.choose(1, exclude=claims.taken | claims.failed)[0]
+            except NotEnoughPeers as e:
+                raise PeerUnavailable("; ".join([*reasons, str(e)])) from e
+            claims.taken.add(chosen)
+            return chosen
+
+    def _request(
+        self, endpoint: str, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = (),
+        max_reply_payload: int = 0,
+    ) -> Frame:
+        """One request, with its outcome reported to placement (a failure or a transfer
+        slower than ``timeout_seconds`` makes the peer avoided next time)."""
+        start = time.perf_counter()
+        try:
+            reply = call(endpoint, op, header, parts, timeout_seconds=self.timeout_seconds,
+                         max_reply_payload=max_reply_payload)
+        except PeerRequestError as e:
+            ok = e.code in ("no_base", "not_found")  # a sound peer answering a fair no
+            self.placement.report(endpoint, ok, time.perf_counter() - start)
+            raise
+        except (OSError, ProtocolError):
+            self.placement.report(endpoint, False, time.perf_counter() - start)
+            raise
+        self.placement.report(endpoint, True, time.perf_counter() - start)
+        return reply
+
+    def _commit(self, ckpt_id: int, holders: Sequence[str]) -> None:
+        """COMMIT on every reachable endpoint: holders keep ``ckpt_id`` and drop older states;
+        the others drop stale copies of this run. At least one holder must confirm."""
+        header = {"run_id": self.run_id, "ckpt_id": ckpt_id, "lease_seconds": self.lease_seconds}
+        up = {r.endpoint for r in self.placement.readings() if r.up} | set(holders)
+
+        def commit(endpoint: str) -> str | None:
+            try:
+                call(endpoint, Op.COMMIT, header, timeout_seconds=self.timeout_seconds)
+                return None
+            except _REQUEST_ERRORS as e:
+                return _reason(e)
+
+        targets = sorted(up)
+        results = dict(zip(targets, self._pool.map(commit, targets), strict=True))
+        for endpoint, error in results.items():
+            if error is not None:
+                log.warning("COMMIT of checkpoint %d on %s failed: %s", ckpt_id, endpoint, error)
+        if all(results[h] is not None for h in holders):
+            raise PeerUnavailable(f"checkpoint {ckpt_id} of run {self.run_id!r} was sent but no "
+                                  "holder confirmed its COMMIT: " + "; ".join(
+                                      f"@{h}: {results[h]}" for h in holders))
+
+    def _base_layout(self, base_id: int, image_len: int, size: int) -> _Layout | None:
+        """Where ``base_id``'s shards are, if a delta against it can work: remembered from
+        this object's put, else discovered by LIST (a restarted process)."""
+        with self._lock:
+            layout = self._layouts.get(base_id)
+        if layout is None:
+            stripe = self._catalog()[0].get(base_id)
+            if stripe is None or stripe.shard_count != self.shard_count:
+                return None
+            layout = _Layout(base_id, stripe.image_len, stripe.shard_size, stripe.data_shards,
+                             tuple((stripe.holders.get(i) or [None])[0]
+                                   for i in range(stripe.shard_count)))
+        if (layout.image_len, layout.shard_size, layout.data_shards) != (
+                image_len, size, self.data_shards):
+            return None
+        return layout
+
+    # ------------------------------------------------------------------------------ fetch
+
+    def fetch(self, ckpt_id: int | None = None) -> PeerFetchResult:
+        """Checkpoint ``ckpt_id`` (None: the newest recoverable), bit-exact and verified.
+
+        One missing or corrupt shard is rebuilt from parity; more raise
+        :class:`PeerUnavailable` naming each missing shard and why.
+        """
+        start = time.perf_counter()
+        self._check_open()
+        catalog, unreachable = self._catalog()
+        if ckpt_id is not None:
+            candidates = [ckpt_id]
+        else:
+            candidates = sorted((c for c, s in catalog.items() if s.recoverable()),
+                                reverse=True)
+            candidates += sorted((c for c in catalog if c not in candidates and
+                                  catalog[c].committed), reverse=True)
+        if not candidates or (ckpt_id is not None and ckpt_id not in catalog):
+            what = (f"checkpoint {ckpt_id} of run {self.run_id!r} is held by no reachable peer"
+                    if ckpt_id is not None else
+                    f"no committed checkpoint of run {self.run_id!r} is held by a reachable peer")
+            down = "; ".join(f"{e}: {r}" for e, r in sorted(unreachable.items()))
+            raise PeerUnavailable(what + (f" (unreachable: {down})" if down else ""),
+                                  {-1: "not held"})
+        errors: list[PeerUnavailable] = []
+        for c in candidates:
+            try:
+                return self._fetch_one(catalog[c], unreachable, start)
+            except PeerUnavailable as e:
+                log.warning("peer tier: %s", e)
+                errors.append(e)
+        raise errors[0]
+
+    def _fetch_one(
+        self, stripe: _Stripe, unreachable: dict[str, str], start: float
+    ) -> PeerFetchResult:
+        n = stripe.data_shards
+        got: dict[int, tuple[np.ndarray, Frame]] = {}
+        lost: dict[int, str] = {}
+        fetched_bytes = [0]
+
+        def fetch_shards(indices: Sequence[int]) -> None:
+            results = self._pool.map(lambda i: self._get_shard(stripe, i, fetched_bytes),
+                                     indices)
+            for i, result in zip(indices, results, strict=True):
+                if isinstance(result, str):
+                    lost[i] = result
+                else:
+                    got[i] = result
+
+        for i in range(n):
+            if not stripe.holders.get(i):
+                lost[i] = self._why_missing(stripe, i, unreachable)
+        fetch_shards([i for i in range(n) if i not in lost])
+        has_parity = stripe.shard_count > n
+        if len(lost) == 1 and has_parity:
+            if stripe.holders.get(n):
+                fetch_shards([n])
+            else:
+                lost[n] = self._why_missing(stripe, n, unreachable)
+        if len(lost) > 1 or (lost and not has_parity):
+            raise PeerUnavailable(
+                f"checkpoint {stripe.ckpt_id} of run {self.run_id!r} cannot be recovered from "
+                f"peers: {_describe(lost)}", lost)
+        frames = [f for _, f in got.values()]
+        expected = _agreed_stripe(frames, stripe)
+        rebuilt = None
+        data: list[np.ndarray | None] = [got[i][0] if i in got else None for i in range(n)]
+        if lost:
+            rebuilt = next(iter(lost))
+            data[rebuilt] = shard = rebuild(data, got[n][0])
+            if expected is not None and _sha256(shard) != expected[rebuilt]:
+                raise PeerUnavailable(
+                    f"checkpoint {stripe.ckpt_id}: shard {rebuilt} rebuilt from parity does not "
+                    f"match its sha256 (lost because: {lost[rebuilt]})", lost)
+            log.warning("peer tier: rebuilt shard %d of checkpoint %d from parity (%s)",
+                        rebuilt, stripe.ckpt_id, lost[rebuilt])
+        meta = frames[0].meta
+        image = join([d for d in data if d is not None], stripe.image_len)
+        return PeerFetchResult(stripe.ckpt_id, image, meta, fetched_bytes[0], rebuilt,
+                               time.perf_counter() - start)
+
+    def _get_shard(
+        self, stripe: _Stripe, index: int, fetched_bytes: list[int]
+    ) -> tuple[np.ndarray, Frame] | str:
+        """Shard ``index`` from the first holder that returns it intact, or why none did."""
+        header = {"run_id": self.run_id, "ckpt_id": stripe.ckpt_id, "shard_index": index}
+        reasons = []
+        for endpoint in stripe.holders[index]:
+            try:
+                reply = self._request(endpoint, Op.GET, header,
+                                      max_reply_payload=stripe.shard_size + MAX_META_BYTES)
+            except _REQUEST_ERRORS as e:
+                reasons.append(f"@{endpoint}: {_reason(e)}")
+                continue
+            with self._lock:
+                fetched_bytes[0] += len(reply.payload)
+            h = reply.header
+            body = np.frombuffer(reply.payload, dtype=np.uint8)
+            if body.size != stripe.shard_size or h.get("sha256") != _sha256(body):
+                reasons.append(f"@{endpoint}: sha256 mismatch")
+                continue
+            if h.get("meta_sha256") != hashlib.sha256(reply.meta).hexdigest():
+                reasons.append(f"@{endpoint}: meta sha256 mismatch")
+                continue
+            return body, reply
+        return "; ".join(reasons)
+
+    def _why_missing(self, stripe: _Stripe, index: int, unreachable: dict[str, str]) -> str:
+        with self._lock:
+            layout = self._layouts.get(stripe.ckpt_id)
+        endpoint = layout.endpoints[index] if layout is not None else None
+        if endpoint is not None and endpoint in unreachable:
+            return f"@{endpoint}: {unreachable[endpoint]}"
+        if index in stripe.failed:
+            return stripe.failed[index]
+        if endpoint is not None:
+            return f"@{endpoint}: not held"
+        down = ", ".join(f"{e}: {r}" for e, r in sorted(unreachable.items()))
+        return "held by no reachable peer" + (f" (unreachable: {down})" if down else "")
+
+    def _catalog(self) -> tuple[dict[int, _Stripe], dict[str, str]]:
+        """LIST on every endpoint: this run's checkpoints by id, and why unreachable peers
+        could not answer."""
+        header = {"run_id": self.run_id}
+
+        def ask(endpoint: str) -> list[dict[str, Any]] | str:
+            try:
+                return list(self._request(endpoint, Op.LIST, header).header.get("shards", []))
+            except _REQUEST_ERRORS as e:
+                return _reason(e)
+
+        catalog: dict[int, _Stripe] = {}
+        unreachable: dict[str, str] = {}
+        for endpoint, shards in zip(self.endpoints, self._pool.map(ask, self.endpoints),
+                                    strict=True):
+            if isinstance(shards, str):
+                unreachable[endpoint] = shards
+                continue
+            for s in shards:
+                c = int(s["ckpt_id"])
+                stripe = catalog.setdefault(c, _Stripe(c, int(s["data_shards"]),
+                                                       int(s["shard_count"]),
+                                                       int(s["image_len"]),
+                                                       int(s["shard_size"])))
+                if (s["data_shards"], s["shard_count"], s["image_len"], s["shard_size"]) != (
+                        stripe.data_shards, stripe.shard_count, stripe.image_len,
+                        stripe.shard_size):
+                    log.warning("peer %s holds checkpoint %d with another layout; ignored",
+                                endpoint, c)
+                    continue
+                stripe.committed |= bool(s["committed"])
+                index = int(s["shard_index"])
+                if s["state"] == "failed":
+                    stripe.failed[index] = f"@{endpoint}: fold failed"
+                else:
+                    stripe.holders.setdefault(index, []).append(endpoint)
+        return catalog, unreachable
+
+    # ------------------------------------------------------------------------------ lease
+
+    def _renew_loop(self) -> None:
+        header = {"run_id": self.run_id, "lease_seconds": self.lease_seconds}
+        while not self._closed.wait(self.lease_seconds / 3):
+            for endpoint in self.endpoints:
+                try:
+                    call(endpoint, Op.RENEW, header, timeout_seconds=self.timeout_seconds)
+                except _REQUEST_ERRORS as e:
+                    log.debug("lease renewal on %s failed: %s", endpoint, _reason(e))
+
+    def list(self) -> list[int]:
+        """Checkpoint ids of this run that the peers can return, oldest first."""
+        self._check_open()
+        return sorted(c for c, s in self._catalog()[0].items() if s.recoverable())
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("this PeerTier is closed")
+
+
+def _sha256(data: np.ndarray) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, PeerRequestError):
+        return error.message
+    return describe_failure(error)
+
+
+def _describe(failures: dict[int, str]) -> str:
+    return "; ".join(f"shard {i} {r}" if r.startswith("@") else f"shard {i}: {r}"
+                     for i, r in sorted(failures.items()))
+
+
+def _agreed_stripe(frames: Sequence[Frame], stripe: _Stripe) -> list[str] | None:
+    """The shard digests every fetched shard agrees on (each shard carries them all)."""
+    stripes = {tuple(f.header.get("stripe", ())) for f in frames}
+    if len(stripes) != 1:
+        raise PeerUnavailable(f"checkpoint {stripe.ckpt_id}: the fetched shards disagree on "
+                              "the stripe's digests (shards of different saves?)")
+    agreed = list(next(iter(stripes)))
+    return agreed if len(agreed) == stripe.shard_count else None

@@ -1,0 +1,433 @@
+"""The peer daemon: ``ckptpilot peer serve`` holds other nodes' shards in RAM (SPEC §6).
+
+Owns: the TCP server (one thread per connection), the meaning of each request, checking
+every received shard's SHA256, folding deltas into their base in the background, the lease
+reaper, clean shutdown on SIGTERM, and the ``peer`` CLI command. Must not: decide placement
+or parity (clients do), or persist anything (a restarted daemon is empty by design).
+
+Lifecycle: :class:`PeerDaemon` binds in ``__init__`` (``port=0`` picks a free port, see
+:attr:`PeerDaemon.address`), :meth:`serve_forever` runs on the calling thread until
+:meth:`shutdown` (from another thread or a signal) stops accepting; in-flight requests
+finish, idle connections close, then the call returns.
+
+Threading: connection threads read, verify and answer requests; a small pool folds deltas
+(``new = decode(delta, base=old)``, then the SHA256 the client announced is checked); a
+reaper thread frees runs whose lease ran out. Shared state lives in :class:`ShardStore`.
+
+A malformed frame (garbage, truncated, oversized) closes that connection only, with one
+logged line; every other client keeps being served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import select
+import signal
+import socket
+import socketserver
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptpilot.tiers.peer.errors import ProtocolError
+from ckptpilot.tiers.peer.placement import describe_failure
+from ckptpilot.tiers.peer.protocol import (
+    Head,
+    Op,
+    discard_payload,
+    read_head,
+    read_payload,
+    send_error,
+    send_frame,
+    shard_tensor,
+)
+from ckptpilot.tiers.peer.store import SHARD_FIELDS, Entry, ShardStore
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_SECONDS = 0.2
+_LINGER_SECONDS = 0.5
+_LINGER_MAX_BYTES = 1 << 20
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = False  # server_close() joins them: in-flight requests finish
+    block_on_close = True
+
+    def __init__(self, address: tuple[str, int], daemon: PeerDaemon) -> None:
+        self.peer_daemon = daemon
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        self.server.peer_daemon.serve_connection(self.request, self.client_address)  # type: ignore[attr-defined]
+
+
+class PeerDaemon:
+    """Holds shards for clients (see the module docstring for lifecycle and threading)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        mem_limit: int,
+        allow_fault_injection: bool = False,
+        frame_timeout_seconds: float = 30.0,
+        fold_wait_seconds: float = 60.0,
+        reap_interval_seconds: float = 0.2,
+        fold_threads: int = 2,
+    ) -> None:
+        from ckptpilot.codecs import get_codec
+
+        self.store = ShardStore(mem_limit)
+        self.allow_fault_injection = allow_fault_injection
+        self.frame_timeout_seconds = frame_timeout_seconds
+        self.fold_wait_seconds = fold_wait_seconds
+        self.reap_interval_seconds = reap_interval_seconds
+        self._codec = get_codec("xor_delta", threads=1)
+        self._folds = ThreadPoolExecutor(max_workers=fold_threads,
+                                         thread_name_prefix="ckptpilot-peer-fold")
+        self._stopping = threading.Event()
+        self._server = _Server((host, port), self)
+        self._reaper = threading.Thread(target=self._reap, name="ckptpilot-peer-reaper",
+                                        daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def serve_forever(self) -> None:
+        self._reaper.start()
+        try:
+            self._server.serve_forever(poll_interval=_IDLE_POLL_SECONDS)
+        finally:
+            self._stopping.set()
+            self._server.server_close()  # joins the connection threads
+            self._folds.shutdown(wait=True)
+            self._reaper.join()
+
+    def shutdown(self) -> None:
+        """Stop accepting and let in-flight requests finish; call from another thread."""
+        self._stopping.set()
+        self._server.shutdown()
+
+    # -------------------------------------------------------------------------- connections
+
+    def serve_connection(self, sock: socket.socket, address: Any) -> None:
+        """Answer frames on one connection until the client closes it, the daemon stops,
+        or a frame is malformed (then log one line and close)."""
+        who = f"{address[0]}:{address[1]}"
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        poller = select.poll()  # unlike select(), no limit on descriptor numbers
+        poller.register(sock, select.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(_IDLE_POLL_SECONDS * 1000):
+                continue
+            sock.settimeout(self.frame_timeout_seconds)
+            try:
+                head = read_head(sock, max_payload=self.store.mem_limit)
+                if head is None:
+                    return
+                self._dispatch(sock, head)
+            except ProtocolError as e:
+                log.warning("closing connection from %s: %s", who, e)
+                _close_after_error(sock, str(e))
+                return
+            except OSError as e:
+                log.warning("closing connection from %s: %s", who, describe_failure(e))
+                return
+
+    def _dispatch(self, sock: socket.socket, head: Head) -> None:
+        handler = {
+            Op.PUT: self._put, Op.DELTA: self._delta, Op.COMMIT: self._commit,
+            Op.GET: self._get, Op.LIST: self._list, Op.PING: self._ping,
+            Op.RENEW: self._renew, Op.DROP: self._drop, Op.CORRUPT: self._corrupt,
+        }.get(head.op)
+        if handler is None:
+            raise ProtocolError(f"{head.op.name} is a reply, not a request")
+        if head.op not in (Op.PUT, Op.DELTA) and head.payload_len:
+            raise ProtocolError(f"{head.op.name} carries no payload, got {head.payload_len} "
+                                "bytes")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s %s", head.op.name, {k: v for k, v in head.header.items()
+                                              if k != "stripe"})
+        handler(sock, head)
+
+    # ----------------------------------------------------------------------------- writing
+
+    def _put(self, sock: socket.socket, head: Head) -> None:
+        h = head.header
+        if not self._reserve_or_refuse(sock, head, head.payload_len):
+            return
+        try:
+            frame = read_payload(sock, head)
+        except BaseException:
+            self.store.unreserve(head.payload_len)
+            raise
+        problem = _check_meta(h, frame.meta) or _check_sha(
+            h["sha256"], frame.payload, f"received shard {h['shard_index']} of checkpoint "
+            f"{h['ckpt_id']}; resend it")
+        if problem is not None:
+            self.store.unreserve(head.payload_len)
+            send_error(sock, *problem)
+            return
+        entry = Entry(_key(h), {f: h[f] for f in SHARD_FIELDS}, frame.meta,
+                      np.frombuffer(frame.payload, dtype=np.uint8), head.payload_len)
+        self.store.add(entry, reserved=head.payload_len, lease_seconds=h["lease_seconds"])
+        send_frame(sock, Op.OK, {})
+
+    def _delta(self, sock: socket.socket, head: Head) -> None:
+        h = head.header
+        run, index = h["run_id"], h["shard_index"]
+        base = self.store.base_of(run, h["base_id"], index)
+        if base is None or base.info["shard_size"] != h["shard_size"]:
+            discard_payload(sock, head)
+            send_error(sock, "no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
+                       f"run {run!r} is not held here (with this shard size); send the full "
+                       "shard")
+            return
+        reserved = head.payload_len + h["shard_size"]
+        if not self._reserve_or_refuse(sock, head, reserved):
+            return
+        try:
+            frame = read_payload(sock, head)
+        except BaseException:
+            self.store.unreserve(reserved)
+            raise
+        problem = _check_meta(h, frame.meta)
+        if problem is not None:
+            self.store.unreserve(reserved)
+            send_error(sock, *problem)
+            return
+        entry = Entry(_key(h), {f: h[f] for f in SHARD_FIELDS}, frame.meta, None, reserved)
+        if not self.store.begin_fold(entry, base, reserved=reserved,
+                                     lease_seconds=h["lease_seconds"]):
+            send_error(sock, "no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
+                       f"run {run!r} was dropped meanwhile; send the full shard")
+            return
+        self._folds.submit(self._fold, entry, base, frame.payload)
+        send_frame(sock, Op.OK, {"folding": True})
+
+    def _fold(self, entry: Entry, base: Entry, delta: bytearray) -> None:
+        """``new = decode(delta, base)``, verified against the announced SHA256."""
+        data, error = None, None
+        try:
+            if not base.ready.wait(self.fold_wait_seconds):
+                raise TimeoutError("its base is still folding")
+            if base.data is None:
+                raise ValueError(f"its base failed: {base.error}")
+            out = self._codec.decode(delta, base=shard_tensor(base.data))
+            data = out.view(torch.uint8).numpy()
+            if data.size != entry.info["shard_size"]:
+                raise ValueError(f"delta decoded to {data.size} bytes, expected "
+                                 f"{entry.info['shard_size']}")
+            problem = _check_sha(entry.info["sha256"], data, "folded shard")
+            if problem is not None:
+                raise ValueError(problem[1])
+        except Exception as e:
+            data, error = None, f"fold failed: {e}"
+            log.warning("run %s checkpoint %d shard %d: %s", *entry.key, error)
+        self.store.finish_fold(entry, data, error)
+
+    def _reserve_or_refuse(self, sock: socket.socket, head: Head, nbytes: int) -> bool:
+        h = head.header
+        if self.store.reserve(nbytes, writing=(h["run_id"], h["ckpt_id"])):
+            return True
+        discard_payload(sock, head)
+        used, limit = self.store.mem_used, self.store.mem_limit
+        log.warning("refused %d bytes for run %s checkpoint %d: out of memory (%d of %d bytes "
+                    "in use, nothing evictable)", nbytes, h["run_id"], h["ckpt_id"], used, limit)
+        send_error(sock, "out_of_memory", f"out of memory: {nbytes} bytes do not fit ({used} of "
+                   f"{limit} bytes in use, none evictable); use another peer or raise "
+                   "--mem-limit")
+        return False
+
+    def _commit(self, sock: socket.socket, head: Head) -> None:
+        h = head.header
+        held = self.store.commit(h["run_id"], h["ckpt_id"], h["lease_seconds"])
+        send_frame(sock, Op.OK, {"held": held})
+
+    # ----------------------------------------------------------------------------- reading
+
+    def _held(self, sock: socket.socket, h: dict[str, Any]) -> tuple[Entry, np.ndarray] | None:
+        """The entry named by the header and its final bytes (waiting for a fold in
+        progress), or None after answering ERR."""
+        entry = self.store.get(_key(h))
+        what = f"run {h['run_id']!r} checkpoint {h['ckpt_id']} shard {h['shard_index']}"
+        if entry is None:
+            send_error(sock, "not_found", f"{what} is not held here")
+            return None
+        if not entry.ready.wait(self.fold_wait_seconds):
+            send_error(sock, "fold_failed", f"{what} is still folding after "
+                       f"{self.fold_wait_seconds:g} s")
+            return None
+        if entry.data is None:
+            send_error(sock, "fold_failed", f"{what}: {entry.error}")
+            return None
+        return entry, entry.data
+
+    def _get(self, sock: socket.socket, head: Head) -> None:
+        held = self._held(sock, head.header)
+        if held is None:
+            return
+        entry, data = held
+        reply = {"ckpt_id": entry.key[1], "shard_index": entry.key[2],
+                 "meta_len": len(entry.meta), **entry.info}
+        send_frame(sock, Op.OK, reply, [entry.meta, data])
+
+    def _list(self, sock: socket.socket, head: Head) -> None:
+        send_frame(sock, Op.OK, {"shards": self.store.listing(head.header["run_id"])})
+
+    def _ping(self, sock: socket.socket, head: Head) -> None:
+        send_frame(sock, Op.OK, {"mem_used": self.store.mem_used,
+                                 "mem_limit": self.store.mem_limit,
+                                 "n_runs": self.store.n_runs})
+
+    def _renew(self, sock: socket.socket, head: Head) -> None:
+        h = head.header
+        send_frame(sock, Op.OK, {"held": self.store.renew(h["run_id"], h["lease_seconds"])})
+
+    def _drop(self, sock: socket.socket, head: Head) -> None:
+        freed = self.store.drop(head.header["run_id"])
+        log.info("dropped run %s on request: freed %d bytes", head.header["run_id"], freed)
+        send_frame(sock, Op.OK, {"freed": freed})
+
+    def _corrupt(self, sock: socket.socket, head: Head) -> None:
+        """Fault injection (SPEC §9): flip one byte of a held shard in place."""
+        if not self.allow_fault_injection:
+            send_error(sock, "refused", "fault injection is disabled on this daemon; start it "
+                       "with --allow-fault-injection")
+            return
+        held = self._held(sock, head.header)
+        if held is None:
+            return
+        entry, data = held
+        offset = head.header.get("offset")
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            offset = data.size // 2
+        offset %= data.size
+        data[offset] ^= 0xFF
+        log.warning("fault injection: flipped byte %d of run %s checkpoint %d shard %d",
+                    offset, *entry.key)
+        send_frame(sock, Op.OK, {"offset": offset})
+
+    # ------------------------------------------------------------------------------ leases
+
+    def _reap(self) -> None:
+        while not self._stopping.wait(self.reap_interval_seconds):
+            for run, freed in self.store.expire():
+                if freed:
+                    log.info("lease of run %s expired: freed %d bytes", run, freed)
+
+
+def _key(h: dict[str, Any]) -> tuple[str, int, int]:
+    return h["run_id"], h["ckpt_id"], h["shard_index"]
+
+
+def _check_sha(expected: str, data: Any, what: str) -> tuple[str, str] | None:
+    actual = hashlib.sha256(data).hexdigest()
+    if actual == expected:
+        return None
+    return ("sha256_mismatch", f"sha256 mismatch on the {what} (expected {expected}, got "
+            f"{actual})")
+
+
+def _check_meta(h: dict[str, Any], meta: bytes) -> tuple[str, str] | None:
+    if hashlib.sha256(meta).hexdigest() == h["meta_sha256"]:
+        return None
+    return ("sha256_mismatch", f"meta of checkpoint {h['ckpt_id']} does not match its "
+            "meta_sha256; resend it")
+
+
+def _close_after_error(sock: socket.socket, message: str) -> None:
+    """Best effort: tell the client why, then drain briefly what it is still sending, so the
+    close is a FIN the client can read the reason before, not a reset that loses it."""
+    try:
+        sock.settimeout(_LINGER_SECONDS)
+        send_error(sock, "bad_request", message)
+        sock.shutdown(socket.SHUT_WR)
+        scratch = bytearray(64 * 1024)
+        for _ in range(_LINGER_MAX_BYTES // len(scratch)):
+            if not sock.recv_into(scratch):
+                break
+    except OSError:
+        pass
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+def _byte_size(text: str) -> int:
+    from ckptpilot.policy import parse_byte_size
+
+    try:
+        value = parse_byte_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
+    return value
+
+
+def add_peer_parser(subparsers: Any) -> None:
+    """Register ``peer serve`` on the ``ckptpilot`` command's subparsers."""
+    peer = subparsers.add_parser("peer", help="peer-memory tier daemon")
+    sub = peer.add_subparsers(dest="peer_command", metavar="command", required=True,
+                              parser_class=type(peer))
+    serve = sub.add_parser("serve", help="hold other nodes' checkpoint shards in RAM")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=0,
+                       help="TCP port (0 = any free port; the chosen one is printed)")
+    serve.add_argument("--mem-limit", type=_byte_size, default=8 * 2**30,
+                       help="most bytes of shards to hold, e.g. 8GiB (default 8GiB)")
+    serve.add_argument("--log-level", default="INFO",
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--allow-fault-injection", action="store_true",
+                       help="accept CORRUPT requests that damage held shards (tests only)")
+
+
+def run_peer_command(args: argparse.Namespace) -> int:
+    """``ckptpilot peer serve``: print the listening line, serve until SIGTERM/SIGINT."""
+    logging.getLogger().setLevel(args.log_level)
+    try:
+        daemon = PeerDaemon(args.host, args.port, mem_limit=args.mem_limit,
+                            allow_fault_injection=args.allow_fault_injection)
+    except OSError as e:
+        print(f"ckptpilot peer serve: error: cannot listen on {args.host}:{args.port}: "
+              f"{describe_failure(e)}", file=sys.stderr)
+        return 2
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("received %s: finishing in-flight requests", signal.Signals(signum).name)
+        threading.Thread(target=daemon.shutdown, name="ckptpilot-peer-stop").start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    host, port = daemon.address
+    print(f"ckptpilot peer listening on {host}:{port}", flush=True)
+    log.info("peer daemon on %s:%d, mem limit %d bytes%s", host, port, args.mem_limit,
+             ", fault injection ON" if args.allow_fault_injection else "")
+    daemon.serve_forever()
+    log.info("peer daemon stopped")
+    return 0

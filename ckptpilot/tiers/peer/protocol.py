@@ -1,0 +1,354 @@
+"""The peer wire protocol: length-prefixed binary frames over TCP (SPEC §6).
+
+Owns: the frame layout, the op codes, the header fields each op requires, and reading and
+writing frames on a socket, including one-shot request/reply calls. Must not: interpret
+shards, keep state between frames, or know the daemon's or the client's policy.
+
+A frame is a fixed little-endian prelude, a UTF-8 JSON object header and a binary payload::
+
+    magic b"CKPP" | version u16 | op u8 | header length u32 | payload length u64
+    header (JSON object, <= 64 KiB) | payload
+
+Shard-carrying frames (PUT, DELTA and the reply to GET) put the checkpoint's meta first in
+the payload and the shard (or its encoded delta) after it; ``meta_len`` in the header says
+where the meta ends, so the meta never has to be base64-encoded into the header. A DELTA's
+shard part is a ``ckptpilot.codecs`` ``xor_delta`` blob of the new shard against the base
+shard, both viewed as :data:`DELTA_DTYPE`.
+
+The reader validates before it allocates: the prelude is checked (magic, version, op,
+header size, payload size against the reader's limit), then the header (JSON, required
+fields, their types and their agreement with the declared payload size), and only then is a
+buffer of exactly the declared size allocated for the payload. Anything wrong raises
+:class:`ProtocolError` naming the problem; the connection cannot be trusted after that.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import socket
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptpilot.tiers.peer.errors import PeerRequestError, ProtocolError
+
+MAGIC = b"CKPP"
+VERSION = 1
+PRELUDE = struct.Struct("<4sHBIQ")
+MAX_HEADER_BYTES = 64 * 1024
+MAX_META_BYTES = 16 * 2**20
+"""The largest meta a shard may carry; meta is a small JSON description of the state."""
+
+Buffer = bytes | bytearray | memoryview
+
+_DISCARD_CHUNK = 1 << 20
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
+
+class Op(enum.IntEnum):
+    """Request and reply codes. A request gets exactly one reply: OK or ERR."""
+
+    PUT = 1
+    DELTA = 2
+    COMMIT = 3
+    GET = 4
+    LIST = 5
+    PING = 6
+    RENEW = 7
+    DROP = 8
+    CORRUPT = 9
+    OK = 100
+    ERR = 101
+
+
+DELTA_DTYPE = torch.float32
+"""DELTA payloads are ``xor_delta`` blobs of the shard viewed as this type (see
+:func:`shard_tensor`): checkpoints are mostly float32 weights and moments, whose
+sign/exponent byte is where a delta compresses."""
+
+SHARD_KINDS = ("data", "parity")
+_META_OPS = (Op.PUT, Op.DELTA, Op.OK)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A validated prelude and header; the payload (``payload_len`` bytes) follows on the wire."""
+
+    op: Op
+    header: dict[str, Any]
+    payload_len: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A whole frame. Frames whose header has ``meta_len`` (PUT, DELTA, the OK to GET) are
+    read as two fresh buffers, ``meta`` and the rest as ``payload``, so the shard starts at
+    an aligned address; other frames have an empty ``meta``."""
+
+    op: Op
+    header: dict[str, Any]
+    payload: bytearray
+    meta: bytes = b""
+
+
+# ----------------------------------------------------------------------------- field checks
+
+def _int(lo: int, hi: int | None = None) -> Callable[[object], bool]:
+    def check(v: object) -> bool:
+        return (isinstance(v, int) and not isinstance(v, bool) and v >= lo
+                and (hi is None or v <= hi))
+    return check
+
+
+def _positive_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _run_id(v: object) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 256
+
+
+def _sha(v: object) -> bool:
+    return isinstance(v, str) and _HEX64.fullmatch(v) is not None
+
+
+def _stripe(v: object) -> bool:
+    return isinstance(v, list) and 0 < len(v) <= 1024 and all(_sha(s) for s in v)
+
+
+def _str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+_SHARD_FIELDS: dict[str, Callable[[object], bool]] = {
+    "run_id": _run_id,
+    "ckpt_id": _int(0),
+    "shard_index": _int(0),
+    "shard_count": _int(1, 1024),
+    "data_shards": _int(1, 1024),
+    "kind": lambda v: v in SHARD_KINDS,
+    "sha256": _sha,
+    "stripe": _stripe,
+    "image_len": _int(0),
+    "shard_size": _int(8),
+    "meta_len": _int(0, MAX_META_BYTES),
+    "meta_sha256": _sha,
+    "lease_seconds": _positive_number,
+}
+_FIELDS: dict[Op, dict[str, Callable[[object], bool]]] = {
+    Op.PUT: _SHARD_FIELDS,
+    Op.DELTA: {**_SHARD_FIELDS, "base_id": _int(0)},
+    Op.COMMIT: {"run_id": _run_id, "ckpt_id": _int(0), "lease_seconds": _positive_number},
+    Op.GET: {"run_id": _run_id, "ckpt_id": _int(0), "shard_index": _int(0)},
+    Op.LIST: {"run_id": _run_id},
+    Op.PING: {},
+    Op.RENEW: {"run_id": _run_id, "lease_seconds": _positive_number},
+    Op.DROP: {"run_id": _run_id},
+    Op.CORRUPT: {"run_id": _run_id, "ckpt_id": _int(0), "shard_index": _int(0)},
+    Op.OK: {},
+    Op.ERR: {"error": _str, "code": _str},
+}
+
+
+def validate_header(op: Op, header: object, payload_len: int) -> dict[str, Any]:
+    """The header if it carries every field ``op`` needs, well typed and consistent with
+    the payload size; :class:`ProtocolError` naming the first fault otherwise."""
+    if not isinstance(header, dict):
+        raise ProtocolError(f"{op.name} header must be a JSON object, got {type(header).__name__}")
+    for name, check in _FIELDS[op].items():
+        if name not in header:
+            raise ProtocolError(f"{op.name} header is missing field {name!r}")
+        if not check(header[name]):
+            raise ProtocolError(f"{op.name} header field {name!r} is invalid: {header[name]!r}")
+    if op in (Op.PUT, Op.DELTA):
+        _check_shard_header(op, header, payload_len)
+    elif op is Op.OK and "meta_len" in header and not (
+        _int(0, MAX_META_BYTES)(header["meta_len"]) and header["meta_len"] <= payload_len
+    ):
+        raise ProtocolError(f"OK header field 'meta_len' is invalid: {header['meta_len']!r}")
+    return header
+
+
+def _check_shard_header(op: Op, h: dict[str, Any], payload_len: int) -> None:
+    index, count, data = h["shard_index"], h["shard_count"], h["data_shards"]
+    if count not in (data, data + 1):
+        raise ProtocolError(f"{op.name}: shard_count {count} must be data_shards ({data}) "
+                            "or data_shards + 1 (with parity)")
+    if index >= count:
+        raise ProtocolError(f"{op.name}: shard_index {index} is out of range for "
+                            f"shard_count {count}")
+    if (h["kind"] == "parity") != (index == data):
+        raise ProtocolError(f"{op.name}: shard {index} of {count} cannot be of kind "
+                            f"{h['kind']!r}")
+    if len(h["stripe"]) != count or h["stripe"][index] != h["sha256"]:
+        raise ProtocolError(f"{op.name}: stripe must list the sha256 of all {count} shards, "
+                            "this shard's at its index")
+    if h["shard_size"] % 8 or h["shard_size"] * data < h["image_len"]:
+        raise ProtocolError(f"{op.name}: shard_size {h['shard_size']} must be a multiple of 8 "
+                            f"covering image_len {h['image_len']} in {data} shards")
+    if op is Op.PUT and payload_len != h["meta_len"] + h["shard_size"]:
+        raise ProtocolError(f"PUT payload is {payload_len} bytes, header says meta_len "
+                            f"{h['meta_len']} + shard_size {h['shard_size']}")
+    if op is Op.DELTA and payload_len <= h["meta_len"]:
+        raise ProtocolError(f"DELTA payload of {payload_len} bytes holds no delta after "
+                            f"meta_len {h['meta_len']}")
+
+
+def shard_tensor(shard: np.ndarray) -> torch.Tensor:
+    """A shard (uint8, a multiple of 8 bytes) as the tensor a DELTA payload encodes; copies
+    only a read-only shard (torch tensors must be writable)."""
+    if not shard.flags.writeable:
+        shard = shard.copy()
+    return torch.from_numpy(shard).view(DELTA_DTYPE)
+
+
+# ------------------------------------------------------------------------------ reading
+
+def recv_exactly(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill ``view`` from the socket; :class:`ProtocolError` if the peer closes first."""
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ProtocolError(f"truncated frame: connection closed after {got} of {size} "
+                                f"bytes of the {what}")
+        got += n
+
+
+def read_head(sock: socket.socket, *, max_payload: int) -> Head | None:
+    """The next frame's validated prelude and header; None on a clean close between frames.
+
+    ``max_payload`` is the largest payload the caller will accept; a larger declaration is
+    rejected before anything is allocated for it.
+    """
+    prelude = bytearray(PRELUDE.size)
+    view = memoryview(prelude)
+    first = sock.recv_into(view)
+    if first == 0:
+        return None
+    recv_exactly(sock, view[first:], "prelude")
+    magic, version, op_code, header_len, payload_len = PRELUDE.unpack(prelude)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a ckptpilot "
+                            "peer frame")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks "
+                            f"{VERSION})")
+    try:
+        op = Op(op_code)
+    except ValueError:
+        raise ProtocolError(f"unknown op code {op_code}") from None
+    if header_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {header_len} bytes exceeds the limit of "
+                            f"{MAX_HEADER_BYTES}")
+    if payload_len > max_payload:
+        raise ProtocolError(f"{op.name} payload of {payload_len} bytes exceeds this side's "
+                            f"limit of {max_payload} bytes")
+    raw = bytearray(header_len)
+    recv_exactly(sock, memoryview(raw), "header")
+    try:
+        header = json.loads(raw.decode("utf-8")) if header_len else {}
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError(f"{op.name} header is not valid UTF-8 JSON: {e}") from None
+    return Head(op, validate_header(op, header, payload_len), payload_len)
+
+
+def read_payload(sock: socket.socket, head: Head) -> Frame:
+    """The rest of the frame announced by ``head``: buffers of exactly the declared sizes."""
+    meta_len = head.header.get("meta_len", 0) if head.op in _META_OPS else 0
+    meta = bytearray(meta_len)
+    recv_exactly(sock, memoryview(meta), f"{head.op.name} meta")
+    payload = bytearray(head.payload_len - meta_len)
+    recv_exactly(sock, memoryview(payload), f"{head.op.name} payload")
+    return Frame(head.op, head.header, payload, bytes(meta))
+
+
+def discard_payload(sock: socket.socket, head: Head) -> None:
+    """Read and drop the payload (through a small buffer) to stay in step with the stream."""
+    scratch = memoryview(bytearray(min(_DISCARD_CHUNK, head.payload_len)))
+    left = head.payload_len
+    while left:
+        chunk = scratch[:min(left, len(scratch))]
+        recv_exactly(sock, chunk, f"{head.op.name} payload")
+        left -= len(chunk)
+
+
+def read_frame(sock: socket.socket, *, max_payload: int) -> Frame | None:
+    """The next whole frame; None on a clean close between frames."""
+    head = read_head(sock, max_payload=max_payload)
+    return None if head is None else read_payload(sock, head)
+
+
+# ------------------------------------------------------------------------------ writing
+
+def encode_head(op: Op, header: dict[str, Any], payload_len: int) -> bytes:
+    """Prelude + header bytes of a frame; the header is validated as a reader would."""
+    validate_header(op, header, payload_len)
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    return PRELUDE.pack(MAGIC, VERSION, int(op), len(raw), payload_len) + raw
+
+
+def send_frame(
+    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = ()
+) -> int:
+    """Write one frame (the payload is the concatenation of ``parts``, sent without joining);
+    returns the payload size."""
+    views = [memoryview(p).cast("B") for p in parts]
+    payload_len = sum(v.nbytes for v in views)
+    sock.sendall(encode_head(op, header, payload_len))
+    for v in views:
+        sock.sendall(v)
+    return payload_len
+
+
+def send_error(sock: socket.socket, code: str, message: str) -> None:
+    send_frame(sock, Op.ERR, {"error": message, "code": code})
+
+
+# ------------------------------------------------------------------------------ calling
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 as ``"[::1]:port"``) to (host, port); ``ValueError`` if malformed."""
+    match = _ENDPOINT.fullmatch(endpoint)
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        raise ValueError(f"expected a peer endpoint 'host:port' with a port in 1..65535, got "
+                         f"{endpoint!r}")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def call(
+    endpoint: str,
+    op: Op,
+    header: dict[str, Any],
+    parts: Sequence[Buffer] = (),
+    *,
+    timeout_seconds: float,
+    max_reply_payload: int = 0,
+) -> Frame:
+    """One request on a fresh connection; returns the OK reply.
+
+    Raises :class:`PeerRequestError` when the peer answers ERR, :class:`ProtocolError` on a
+    malformed reply, and ``OSError`` (``ConnectionRefusedError``, ``TimeoutError``...) when
+    the peer cannot be reached or stalls longer than ``timeout_seconds`` on any step.
+    """
+    host, port = parse_endpoint(endpoint)
+    with socket.create_connection((host, port), timeout=timeout_seconds) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_frame(sock, op, header, parts)
+        reply = read_frame(sock, max_payload=max_reply_payload)
+    if reply is None:
+        raise ProtocolError(f"{endpoint} closed the connection without replying to {op.name}")
+    if reply.op is Op.ERR:
+        raise PeerRequestError(endpoint, reply.header["code"], reply.header["error"])
+    if reply.op is not Op.OK:
+        raise ProtocolError(f"{endpoint} replied to {op.name} with {reply.op.name}, not OK/ERR")
+    return reply

@@ -1,0 +1,111 @@
+"""Real ``ckptpilot peer serve`` processes for the peer tier tests."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTENING = "ckptpilot peer listening on "
+
+
+class Daemon:
+    """One daemon process; ``restart`` brings it back empty on the same port."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.log_path = log_path
+        self.args = args
+        self.port = 0
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def spawn(self) -> None:
+        cmd = [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *self.args]
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_listening(self, timeout: float = 60.0) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.startswith(LISTENING):
+                    self.port = int(line.strip().rsplit(":", 1)[1])
+                    return
+                if not line:
+                    break
+        raise RuntimeError(f"peer daemon did not start; its log:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        """SIGKILL, and wait until the port refuses connections."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+
+def start(daemons: list[Daemon]) -> list[Daemon]:
+    """Spawn every daemon first, then wait for each (they start in parallel)."""
+    for d in daemons:
+        d.spawn()
+    for d in daemons:
+        d.wait_listening()
+    return daemons
+
+
+def restart(daemons: list[Daemon]) -> None:
+    """Bring the daemons back, empty, on their ports (killing any still running)."""
+    for d in daemons:
+        d.kill()
+        if d.proc is not None and d.proc.stdout is not None:
+            d.proc.stdout.close()
+    start(daemons)
+
+
+def revive(daemons: list[Daemon]) -> list[Daemon]:
+    """Resume stopped daemons and restart dead ones, so a test finds them all serving."""
+    for d in daemons:
+        if d.proc is not None and d.proc.poll() is None:
+            os.kill(d.proc.pid, signal.SIGCONT)
+    dead = [d for d in daemons if d.proc is None or d.proc.poll() is not None]
+    if dead:
+        restart(dead)
+    return daemons
+
+
+def stop_all(daemons: list[Daemon]) -> None:
+    """SIGTERM every daemon first, then wait for each (they stop in parallel)."""
+    for d in daemons:
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGCONT)
+            d.proc.send_signal(signal.SIGTERM)
+    for d in daemons:
+        d.stop()

@@ -1,0 +1,530 @@
+"""The peer tier against real daemon processes (SPEC §6, §9): bit-exact put/fetch, parity
+rebuild after a SIGKILL or a corrupted shard, delta folding, leases, LRU eviction, hostile
+frames, SIGTERM, and placement."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from peerdaemons import Daemon, restart, revive, start, stop_all
+
+from ckptpilot.codecs import get_codec
+from ckptpilot.policy import PeerTierPolicy
+from ckptpilot.tiers.peer import PeerRequestError, PeerTier, PeerUnavailable
+from ckptpilot.tiers.peer.errors import NotEnoughPeers
+from ckptpilot.tiers.peer.parity import shard_size
+from ckptpilot.tiers.peer.placement import PeerReading, PeerStatus, Placement, rank_peers
+from ckptpilot.tiers.peer.protocol import (
+    PRELUDE,
+    Op,
+    call,
+    encode_head,
+    read_frame,
+    shard_tensor,
+)
+
+CLUSTER = 5
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Daemon]]]:
+    """Five shared daemons with fault injection, and one small one (3.5 MiB, no faults) for
+    leases, LRU and SIGTERM. Started once, in parallel; stopped with SIGTERM at the end."""
+    logs = tmp_path_factory.mktemp("peer-logs")
+    cluster = [Daemon(logs / f"peer{i}.log", "--mem-limit", "64MiB", "--allow-fault-injection")
+               for i in range(CLUSTER)]
+    small = [Daemon(logs / "small.log", "--mem-limit", "3.5MiB")]
+    try:
+        start([*cluster, *small])
+        yield {"cluster": cluster, "small": small}
+    finally:
+        stop_all([*cluster, *small])
+
+
+@pytest.fixture
+def cluster(daemons: dict[str, list[Daemon]]) -> list[Daemon]:
+    """The five shared daemons, all serving: any an earlier test killed is restarted empty
+    here (lazily, so the tests that kill run last and cost no restart afterwards)."""
+    return revive(daemons["cluster"])
+
+
+@pytest.fixture
+def small(daemons: dict[str, list[Daemon]]) -> Daemon:
+    return revive(daemons["small"])[0]
+
+
+def endpoints(nodes: list[Daemon]) -> list[str]:
+    return [d.endpoint for d in nodes]
+
+
+def tier(nodes: list[Daemon], run_id: str, **kw: object) -> PeerTier:
+    options: dict[str, object] = {"probe_interval": 0.2, "timeout_seconds": 3.0,
+                                  "lease_seconds": 60.0, **kw}
+    return PeerTier(endpoints(nodes), run_id=run_id, **options)  # type: ignore[arg-type]
+
+
+def weights(n_floats: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n_floats).astype(np.float32)
+
+
+def by_endpoint(nodes: list[Daemon], endpoint: str) -> Daemon:
+    return next(d for d in nodes if d.endpoint == endpoint)
+
+
+def ping(endpoint: str) -> dict[str, int]:
+    return call(endpoint, Op.PING, {}, timeout_seconds=5).header
+
+
+def one_shard_header(run: str, ckpt: int, shard: bytes, *, lease_seconds: float = 60.0,
+                     sha256: str | None = None) -> dict[str, object]:
+    """The header of a checkpoint stored as one shard without parity, meta ``{}``."""
+    digest = sha256 or hashlib.sha256(shard).hexdigest()
+    return {"run_id": run, "ckpt_id": ckpt, "shard_index": 0, "shard_count": 1,
+            "data_shards": 1, "kind": "data", "sha256": digest, "stripe": [digest],
+            "image_len": len(shard), "shard_size": len(shard), "meta_len": 2,
+            "meta_sha256": hashlib.sha256(b"{}").hexdigest(), "lease_seconds": lease_seconds}
+
+
+def raw_put(endpoint: str, run: str, ckpt: int, body: bytes, *, commit: bool = False,
+            lease_seconds: float = 60.0) -> None:
+    """One single-shard checkpoint (no parity) straight through the protocol."""
+    header = one_shard_header(run, ckpt, body, lease_seconds=lease_seconds)
+    call(endpoint, Op.PUT, header, [b"{}", body], timeout_seconds=10)
+    if commit:
+        call(endpoint, Op.COMMIT, {"run_id": run, "ckpt_id": ckpt,
+                                   "lease_seconds": lease_seconds}, timeout_seconds=10)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------- put and fetch
+
+def test_put_fetch_is_bit_exact(cluster: list[Daemon]) -> None:
+    image = np.random.default_rng(1).bytes(1_000_003)  # odd length: the tail is padded
+    meta = json.dumps({"step": 1, "tensors": ["w"]}).encode()
+    with tier(cluster, "exact") as t:
+        put = t.put(1, image, meta)
+        assert len(set(put.endpoints)) == 4 and put.full_shards == 4 and put.delta_shards == 0
+        size = shard_size(len(image), 3)
+        assert put.bytes_sent == 4 * size
+        got = t.fetch()
+        assert got.ckpt_id == 1 and bytes(got.image) == image and got.meta == meta
+        assert got.rebuilt_shard is None and got.bytes_fetched == 3 * size
+        assert bytes(t.fetch(1).image) == image
+        assert t.list() == [1]
+        with pytest.raises(PeerUnavailable, match="checkpoint 9 of run 'exact' is held by no"):
+            t.fetch(9)
+
+
+def test_a_fresh_tier_fetches_and_deltas_what_another_put(cluster: list[Daemon]) -> None:
+    old = weights(300_000, seed=2)
+    new = old.copy()
+    new[::7] += np.float32(1e-3)
+    with tier(cluster, "fresh") as first:
+        first.put(4, old.tobytes(), b"old")
+    with tier(cluster, "fresh") as second:  # a restarted training process
+        got = second.fetch()
+        assert got.ckpt_id == 4 and bytes(got.image) == old.tobytes() and got.meta == b"old"
+        put = second.put(5, new.tobytes(), b"new", base=(4, old.tobytes()))
+        assert put.delta_shards == 4 and put.full_shards == 0  # layout found through LIST
+        assert bytes(second.fetch().image) == new.tobytes()
+        assert second.list() == [5]
+
+
+def test_concurrent_clients_are_served(cluster: list[Daemon]) -> None:
+    images = {f"busy-{i}": np.random.default_rng(10 + i).bytes(300_000) for i in range(4)}
+    tiers = {run: tier(cluster, run) for run in images}
+    try:
+        with ThreadPoolExecutor(len(tiers)) as pool:
+            for _ in range(3):
+                list(pool.map(lambda run: tiers[run].put(1, images[run], run.encode()), tiers))
+                fetched = dict(zip(tiers, pool.map(lambda t: t.fetch(), tiers.values()),
+                                   strict=True))
+                for run, got in fetched.items():
+                    assert bytes(got.image) == images[run] and got.meta == run.encode()
+    finally:
+        for t in tiers.values():
+            t.close()
+
+
+def test_no_checkpoint_raises_peer_unavailable(cluster: list[Daemon]) -> None:
+    with tier(cluster, "nothing-here") as t, pytest.raises(PeerUnavailable,
+                                                           match="no committed checkpoint of run"):
+        t.fetch()
+
+
+def test_corrupted_shard_is_detected_and_rebuilt(cluster: list[Daemon]) -> None:
+    image = weights(250_000, seed=5).tobytes()
+    with tier(cluster, "corrupt") as t:
+        put = t.put(3, image, b"m")
+        target = {"run_id": "corrupt", "ckpt_id": 3}
+        call(put.endpoints[1], Op.CORRUPT, {**target, "shard_index": 1}, timeout_seconds=5)
+        got = t.fetch()
+        assert got.rebuilt_shard == 1 and bytes(got.image) == image
+        assert "fault injection: flipped byte" in by_endpoint(cluster, put.endpoints[1]).log()
+        call(put.endpoints[2], Op.CORRUPT, {**target, "shard_index": 2}, timeout_seconds=5)
+        with pytest.raises(PeerUnavailable, match=r"shard 1 @\S+: sha256 mismatch; "
+                                                  r"shard 2 @\S+: sha256 mismatch"):
+            t.fetch()
+
+
+def test_corrupt_is_refused_without_the_fault_injection_flag(small: Daemon) -> None:
+    ep = small.endpoint
+    raw_put(ep, "no-faults", 1, bytes(64))
+    with pytest.raises(PeerRequestError, match="--allow-fault-injection") as info:
+        call(ep, Op.CORRUPT, {"run_id": "no-faults", "ckpt_id": 1, "shard_index": 0},
+             timeout_seconds=5)
+    assert info.value.code == "refused"
+    call(ep, Op.DROP, {"run_id": "no-faults"}, timeout_seconds=5)
+
+
+# --------------------------------------------------------------------------------- deltas
+
+def test_delta_puts_fold_into_one_state(cluster: list[Daemon]) -> None:
+    rng = np.random.default_rng(6)
+    state = weights(262_144, seed=6)  # 1 MiB of float32 weights
+    meta = b'{"state": "weights"}'
+    size = shard_size(state.nbytes, 3)
+    with tier(cluster, "deltas") as t:
+        first = t.put(0, state.tobytes(), meta)
+        for step in range(1, 31):
+            previous = state.tobytes()
+            update = rng.standard_normal(state.size).astype(np.float32) * np.float32(1e-4)
+            state = state - update * (rng.random(state.size) < 0.3)  # a training-like step
+            put = t.put(step, state.tobytes(), meta, base=(step - 1, previous))
+            assert put.delta_shards == 4 and put.full_shards == 0
+            assert put.endpoints == first.endpoints
+            assert put.bytes_sent < first.bytes_sent
+            got = t.fetch()
+            assert got.ckpt_id == step and bytes(got.image) == state.tobytes()
+            assert got.bytes_fetched == 3 * size and got.rebuilt_shard is None  # no chain
+        assert t.list() == [30]
+        freed = [call(ep, Op.DROP, {"run_id": "deltas"}, timeout_seconds=5).header["freed"]
+                 for ep in first.endpoints]
+    assert freed == [size + len(meta)] * 4  # each holder kept exactly one state
+
+
+def test_daemon_folds_verifies_and_supersedes(small: Daemon) -> None:
+    ep, run = small.endpoint, "fold"
+    base = weights(2048, seed=9)
+    new = base.copy()
+    new[::5] += np.float32(0.5)
+    with pytest.raises(PeerRequestError, match="sha256 mismatch on the received shard 0"):
+        call(ep, Op.PUT, one_shard_header(run, 1, base.tobytes(), sha256="cd" * 32),
+             [b"{}", base.tobytes()], timeout_seconds=5)
+    raw_put(ep, run, 1, base.tobytes(), commit=True)
+    blob = get_codec("xor_delta").encode(shard_tensor(new.view(np.uint8)),
+                                         base=shard_tensor(base.view(np.uint8)))
+    delta = {**one_shard_header(run, 2, new.tobytes()), "base_id": 1}
+    assert call(ep, Op.DELTA, delta, [b"{}", blob], timeout_seconds=5).header["folding"]
+    call(ep, Op.COMMIT, {"run_id": run, "ckpt_id": 2, "lease_seconds": 60}, timeout_seconds=5)
+    got = call(ep, Op.GET, {"run_id": run, "ckpt_id": 2, "shard_index": 0}, timeout_seconds=5,
+               max_reply_payload=1 << 20)
+    assert bytes(got.payload) == new.tobytes() and got.meta == b"{}"
+    listed = call(ep, Op.LIST, {"run_id": run}, timeout_seconds=5).header["shards"]
+    assert [(s["ckpt_id"], s["state"], s["committed"]) for s in listed] == [(2, "ready", True)]
+
+    with pytest.raises(PeerRequestError, match="no base: checkpoint 1 shard 0") as info:
+        call(ep, Op.DELTA, {**delta, "ckpt_id": 3}, [b"{}", blob], timeout_seconds=5)
+    assert info.value.code == "no_base"  # 1 was superseded by the committed 2
+
+    newer = new * np.float32(2)
+    blob = get_codec("xor_delta").encode(shard_tensor(newer.view(np.uint8)),
+                                         base=shard_tensor(new.view(np.uint8)))
+    lying = {**one_shard_header(run, 3, newer.tobytes(), sha256="ab" * 32), "base_id": 2}
+    call(ep, Op.DELTA, lying, [b"{}", blob], timeout_seconds=5)  # accepted, folded later
+    with pytest.raises(PeerRequestError, match="fold failed: sha256 mismatch") as info:
+        call(ep, Op.GET, {"run_id": run, "ckpt_id": 3, "shard_index": 0}, timeout_seconds=5,
+             max_reply_payload=1 << 20)
+    assert info.value.code == "fold_failed"
+    listed = call(ep, Op.LIST, {"run_id": run}, timeout_seconds=5).header["shards"]
+    assert [(s["ckpt_id"], s["state"]) for s in listed] == [(2, "ready"), (3, "failed")]
+    call(ep, Op.DROP, {"run_id": run}, timeout_seconds=5)
+    assert ping(ep)["mem_used"] == 0
+
+
+# ---------------------------------------------------------------------- memory and leases
+
+def test_lease_expiry_frees_memory(small: Daemon) -> None:
+    ep = small.endpoint
+    with tier([small], "short-lease", data_shards=1, parity=False, lease_seconds=1.0) as t:
+        t.put(1, bytes(100_000), b"m")
+        assert ping(ep)["mem_used"] > 0 and ping(ep)["n_runs"] == 1
+        time.sleep(1.3)  # longer than the lease: only the renewals keep it
+        assert bytes(t.fetch().image) == bytes(100_000)
+    wait_for(lambda: ping(ep)["mem_used"] == 0, 5, "the lease to expire")
+    assert ping(ep)["n_runs"] == 0
+    assert "lease of run short-lease expired" in small.log()
+
+
+def test_lru_eviction_never_evicts_the_newest_committed(small: Daemon) -> None:
+    node = small
+    ep = node.endpoint
+    shard = bytes(MiB)
+    raw_put(ep, "a", 1, shard, commit=True)
+    raw_put(ep, "b", 1, shard)  # uncommitted: evictable
+    raw_put(ep, "e", 1, shard)  # uncommitted: evictable
+    call(ep, Op.GET, {"run_id": "b", "ckpt_id": 1, "shard_index": 0}, timeout_seconds=5,
+         max_reply_payload=2 * MiB)  # b is now used more recently than e
+    raw_put(ep, "f", 1, shard, commit=True)  # 4 MiB > 3.5 MiB: e goes
+    held = {run: call(ep, Op.LIST, {"run_id": run}, timeout_seconds=5).header["shards"]
+            for run in "abef"}
+    assert [bool(held[r]) for r in "abef"] == [True, True, False, True]
+    assert "evicted run e checkpoint 1" in node.log()
+    raw_put(ep, "b", 2, shard, commit=True)  # evicts b's uncommitted checkpoint 1
+    with pytest.raises(PeerRequestError, match="out of memory") as info:
+        raw_put(ep, "g", 1, shard)  # a, b, f are each their run's newest committed
+    assert info.value.code == "out_of_memory"
+    reply = call(ep, Op.GET, {"run_id": "a", "ckpt_id": 1, "shard_index": 0},
+                 timeout_seconds=5, max_reply_payload=2 * MiB)
+    assert bytes(reply.payload) == shard
+    assert ping(ep)["mem_used"] <= 3.5 * MiB
+    for run in "abfg":
+        call(ep, Op.DROP, {"run_id": run}, timeout_seconds=5)
+
+
+# ---------------------------------------------------------------- hostile frames, SIGTERM
+
+def _put_head(payload_len: int) -> bytes:
+    digest = "0" * 64
+    header = {"run_id": "x", "ckpt_id": 1, "shard_index": 0, "shard_count": 1,
+              "data_shards": 1, "kind": "data", "sha256": digest, "stripe": [digest],
+              "image_len": 8, "shard_size": 8, "meta_len": 0, "meta_sha256": digest,
+              "lease_seconds": 1.0}
+    raw = json.dumps(header).encode()
+    return PRELUDE.pack(b"CKPP", 1, int(Op.PUT), len(raw), payload_len) + raw
+
+
+@pytest.mark.parametrize(("kind", "data", "reason"), [
+    ("garbage", np.random.default_rng(8).bytes(4096), "bad magic"),
+    ("truncated", _put_head(8)[:30], "truncated frame"),
+    ("oversized", _put_head(2**40), "exceeds this side's limit"),
+])
+def test_hostile_frames_close_only_that_connection(cluster: list[Daemon], kind: str,
+                                                   data: bytes, reason: str) -> None:
+    node = cluster[0]
+    host, port = "127.0.0.1", node.port
+    with socket.create_connection((host, port), timeout=5) as idle, \
+            socket.create_connection((host, port), timeout=5) as bad:
+        bad.sendall(data)
+        if kind == "truncated":
+            bad.shutdown(socket.SHUT_WR)
+        reply = read_frame(bad, max_payload=0)  # an ERR naming the fault, then EOF
+        assert reply is not None and reply.op is Op.ERR and reason in reply.header["error"]
+        assert bad.recv(1) == b""
+        send = encode_head(Op.PING, {}, 0)
+        idle.sendall(send)  # the other connection is still served
+        pong = read_frame(idle, max_payload=0)
+        assert pong is not None and pong.op is Op.OK
+    assert "closing connection from 127.0.0.1" in node.log()
+    with tier(cluster, f"after-{kind}") as t:
+        t.put(1, b"still serving", b"m")
+        assert bytes(t.fetch().image) == b"still serving"
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_zero(small: Daemon) -> None:
+    node = small
+    body, meta = bytes(range(256)) * 64, b"{}"
+    header = one_shard_header("t", 1, body, lease_seconds=5.0)
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock, \
+            socket.create_connection(("127.0.0.1", node.port), timeout=10):
+        sock.sendall(encode_head(Op.PUT, header, len(meta) + len(body)) + meta + body[:100])
+        time.sleep(0.3)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        sock.sendall(body[100:])
+        reply = read_frame(sock, max_payload=0)
+        assert reply is not None and reply.op is Op.OK
+        assert node.proc.wait(10) == 0
+    assert "received SIGTERM" in node.log() and "peer daemon stopped" in node.log()
+
+
+# ------------------------------------------------------------------------------ placement
+
+def test_rank_peers_prefers_low_rtt_then_low_memory() -> None:
+    readings = [
+        PeerReading("a:1", True, rtt_seconds=0.0050, mem_used=0),
+        PeerReading("b:1", True, rtt_seconds=0.0001, mem_used=900),
+        PeerReading("c:1", True, rtt_seconds=0.0002, mem_used=100),
+        PeerReading("d:1", True, rtt_seconds=0.0001, mem_used=0, avoided=True),
+        PeerReading("e:1", False, reason="connection refused"),
+    ]
+    assert rank_peers(readings, 2, rtt_tie_seconds=1e-9) == ["b:1", "c:1"]
+    assert rank_peers(readings, 2, rtt_tie_seconds=0.001) == ["c:1", "b:1"]  # tie: memory
+    assert rank_peers(readings, 4, rtt_tie_seconds=1e-9) == ["b:1", "c:1", "a:1", "d:1"]
+    assert rank_peers(readings, 2, exclude=["b:1"], rtt_tie_seconds=1e-9) == ["c:1", "a:1"]
+    with pytest.raises(NotEnoughPeers, match=r"need 5 peers but only 4 are usable; down: "
+                                             r"e:1 \(connection refused\)"):
+        rank_peers(readings, 5)
+
+
+def test_placement_avoids_slow_peers_and_forgives_them() -> None:
+    statuses = {"a:1": PeerStatus(0.001, 10, 100, 1), "b:1": PeerStatus(0.002, 0, 100, 0),
+                "c:1": PeerStatus(0.003, 0, 100, 0)}
+    now = [0.0]
+
+    def probe(endpoint: str, timeout: float) -> PeerStatus:
+        if endpoint not in statuses:
+            raise ConnectionRefusedError
+        return statuses[endpoint]
+
+    down: set[str] = set()
+    p = Placement(["a:1", "b:1", "c:1", "z:1"], probe=probe, clock=lambda: now[0],
+                  timeout_seconds=1.0, rtt_tie_seconds=1e-9, forgive_seconds=30,
+                  is_down=down.__contains__)
+    try:
+        p.probe_now()
+        assert p.choose(2) == ["a:1", "b:1"]
+        p.report("a:1", ok=True, seconds=2.5)  # slower than timeout_seconds
+        assert p.choose(2) == ["b:1", "c:1"]
+        assert p.choose(3) == ["b:1", "c:1", "a:1"]  # only as a last resort
+        now[0] = 31.0
+        assert p.choose(2) == ["a:1", "b:1"]  # forgiven
+        p.report("b:1", ok=False, seconds=0.1)
+        assert p.choose(2) == ["a:1", "c:1"]
+        p.report("b:1", ok=True, seconds=0.1)
+        down.add("a:1")  # the health registry says a is down
+        assert p.choose(2) == ["b:1", "c:1"]
+        with pytest.raises(NotEnoughPeers, match="z:1 \\(connection refused\\)"):
+            p.choose(3)
+    finally:
+        p.close()
+
+
+def test_placement_against_real_daemons(cluster: list[Daemon]) -> None:
+    eps = endpoints(cluster)
+    p = Placement(eps, probe_interval=60, timeout_seconds=0.5, rtt_tie_seconds=10.0)
+    p.start()
+    try:
+        raw_put(eps[0], "fat", 1, bytes(16 * MiB), commit=True)
+        p.probe_now()
+        assert eps[0] not in p.choose(4)  # every RTT ties here: memory decides
+        assert p.choose(5)[-1] == eps[0]
+        p.report(eps[1], ok=True, seconds=5.0)
+        assert set(p.choose(3)) == set(eps[2:])
+        assert cluster[2].proc is not None
+        os.kill(cluster[2].proc.pid, signal.SIGSTOP)  # a hung peer: probes time out
+        p.probe_now()
+        chosen = p.choose(4)
+        assert eps[2] not in chosen and chosen[-1] == eps[1]
+        with pytest.raises(NotEnoughPeers, match=f"{eps[2]} \\(timed out\\)"):
+            p.choose(5)
+        os.kill(cluster[2].proc.pid, signal.SIGCONT)
+        p.probe_now()
+        assert eps[2] in p.choose(4)
+    finally:
+        p.close()
+        call(eps[0], Op.DROP, {"run_id": "fat"}, timeout_seconds=5)
+
+
+def test_peer_tier_from_policy(cluster: list[Daemon]) -> None:
+    policy = PeerTierPolicy(enabled=True, endpoints=endpoints(cluster)[:3], data_shards=2,
+                            lease_seconds=30.0, timeout_seconds=2.0, probe_interval=0.5)
+    with PeerTier.from_policy(policy, run_id="from-policy") as t:
+        assert (t.shard_count, t.lease_seconds, t.timeout_seconds) == (3, 30.0, 2.0)
+        assert len(t.put(1, b"x" * 1000, b"m").endpoints) == 3
+        assert bytes(t.fetch().image) == b"x" * 1000
+
+
+def test_peer_tier_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="4 shards need 4 distinct peers"):
+        PeerTier(["127.0.0.1:1", "127.0.0.1:2"], run_id="r")
+    with pytest.raises(ValueError, match="host:port"):
+        PeerTier(["nonsense"] * 4, run_id="r")
+    with pytest.raises(ValueError, match="run_id"):
+        PeerTier(["127.0.0.1:1"], run_id="", data_shards=1, parity=False)
+
+
+def test_cli_rejects_bad_options_in_one_line(cluster: list[Daemon],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptpilot.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["peer", "serve", "--mem-limit", "lots"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "cannot read 'lots' as a byte size" in err
+    assert len(err.strip().splitlines()) == 1
+    root = logging.getLogger()
+    level = root.level
+    try:
+        assert main(["peer", "serve", "--port", str(cluster[0].port)]) == 2  # port taken
+    finally:
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert err.startswith("ckptpilot peer serve: error: cannot listen on 127.0.0.1:")
+    assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------- losing peers (last: nothing restarts after them)
+
+@pytest.mark.crash
+def test_a_daemon_restarted_empty_gets_the_full_shard_again(cluster: list[Daemon]) -> None:
+    old = weights(200_000, seed=7)
+    new = old * np.float32(1.0001)
+    with tier(cluster, "restarted") as t:
+        put = t.put(1, old.tobytes(), b"m")
+        victim = by_endpoint(cluster, put.endpoints[0])
+        restart([victim])
+        wait_for(lambda: t.placement.is_usable(victim.endpoint), 10, "the restarted peer")
+        again = t.put(2, new.tobytes(), b"m", base=(1, old.tobytes()))
+        assert again.full_shards == 1 and again.delta_shards == 3
+        assert again.endpoints[0] == victim.endpoint  # it answered "no base": full shard
+        got = t.fetch()
+        assert got.rebuilt_shard is None and bytes(got.image) == new.tobytes()
+
+
+@pytest.mark.crash
+def test_one_peer_killed_is_rebuilt_from_parity_then_replaced(cluster: list[Daemon]) -> None:
+    image = weights(400_000, seed=3)
+    with tier(cluster, "one-down") as t:
+        put = t.put(1, image.tobytes(), b"m")
+        victim = by_endpoint(cluster, put.endpoints[1])
+        victim.kill()
+        got = t.fetch()
+        assert got.rebuilt_shard == 1 and bytes(got.image) == image.tobytes()
+        assert got.bytes_fetched == 3 * shard_size(image.nbytes, 3)  # 2 data + the parity
+
+        newer = image + np.float32(1e-4)
+        again = t.put(2, newer.tobytes(), b"m2", base=(1, image.tobytes()))
+        assert again.endpoints[1] != victim.endpoint  # re-placed on the spare peer
+        assert again.full_shards == 1 and again.delta_shards == 3
+        assert len(set(again.endpoints)) == 4
+        got = t.fetch()
+        assert got.ckpt_id == 2 and got.rebuilt_shard is None
+        assert bytes(got.image) == newer.tobytes()
+
+
+@pytest.mark.crash
+def test_two_peers_killed_raise_with_each_reason(cluster: list[Daemon]) -> None:
+    with tier(cluster, "two-down") as t:
+        put = t.put(1, weights(200_000, seed=4).tobytes(), b"m")
+        for i in (0, 2):
+            by_endpoint(cluster, put.endpoints[i]).kill()
+        with pytest.raises(PeerUnavailable) as info:
+            t.fetch()
+    message = str(info.value)
+    for i in (0, 2):
+        assert f"shard {i} @{put.endpoints[i]}: connection refused" in message
+    assert set(info.value.failures) == {0, 2}
+    with tier(cluster, "two-down") as fresh, pytest.raises(
+            PeerUnavailable, match=r"shard 0: held by no reachable peer \(unreachable: .*"
+                                   r"connection refused"):
+        fresh.fetch(1)

@@ -1,0 +1,208 @@
+"""Peer wire frames (SPEC §6): round trips, and every kind of malformed frame is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from ckptpilot.errors import CkptPilotError
+from ckptpilot.tiers.peer.errors import ProtocolError
+from ckptpilot.tiers.peer.protocol import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PRELUDE,
+    VERSION,
+    Op,
+    encode_head,
+    parse_endpoint,
+    read_frame,
+    read_head,
+    send_frame,
+    validate_header,
+)
+
+LIMIT = 1 << 20
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def shard_header(op: Op = Op.PUT, *, meta: bytes = b"{}", size: int = 16) -> dict[str, object]:
+    body = bytes(range(size))
+    digest = hashlib.sha256(body).hexdigest()
+    header: dict[str, object] = {
+        "run_id": "run", "ckpt_id": 7, "shard_index": 0, "shard_count": 2, "data_shards": 1,
+        "kind": "data", "sha256": digest, "stripe": [digest, "0" * 64], "image_len": size,
+        "shard_size": size, "meta_len": len(meta), "meta_sha256": hashlib.sha256(meta).hexdigest(),
+        "lease_seconds": 5.0,
+    }
+    if op is Op.DELTA:
+        header["base_id"] = 6
+    return header
+
+
+def raw_frame(op: int, header: bytes, payload: bytes = b"", *, magic: bytes = MAGIC,
+              version: int = VERSION, payload_len: int | None = None) -> bytes:
+    size = len(payload) if payload_len is None else payload_len
+    return PRELUDE.pack(magic, version, op, len(header), size) + header + payload
+
+
+def test_put_frame_round_trip_splits_meta_and_shard(pair: tuple[socket.socket, socket.socket]
+                                                    ) -> None:
+    a, b = pair
+    meta, body = b'{"step": 7}', bytes(range(16))
+    header = shard_header(meta=meta)
+    assert send_frame(a, Op.PUT, header, [meta, memoryview(body)]) == len(meta) + len(body)
+    frame = read_frame(b, max_payload=LIMIT)
+    assert frame is not None
+    assert frame.op is Op.PUT and frame.header == header
+    assert frame.meta == meta and bytes(frame.payload) == body
+
+
+@pytest.mark.parametrize(("op", "header"), [
+    (Op.PING, {}),
+    (Op.LIST, {"run_id": "r"}),
+    (Op.GET, {"run_id": "r", "ckpt_id": 3, "shard_index": 1}),
+    (Op.COMMIT, {"run_id": "r", "ckpt_id": 3, "lease_seconds": 1}),
+    (Op.RENEW, {"run_id": "r", "lease_seconds": 0.5}),
+    (Op.DROP, {"run_id": "r"}),
+    (Op.CORRUPT, {"run_id": "r", "ckpt_id": 0, "shard_index": 0}),
+    (Op.ERR, {"error": "no base", "code": "no_base"}),
+    (Op.OK, {"mem_used": 1, "shards": [{"ckpt_id": 1}]}),
+])
+def test_small_frames_round_trip(pair: tuple[socket.socket, socket.socket], op: Op,
+                                 header: dict[str, object]) -> None:
+    a, b = pair
+    send_frame(a, op, header)
+    frame = read_frame(b, max_payload=LIMIT)
+    assert frame is not None and frame.op is op and frame.header == header
+    assert frame.meta == b"" and frame.payload == bytearray()
+
+
+def test_several_frames_on_one_connection_then_clean_close(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    meta = b"m" * 100
+    send_frame(a, Op.DELTA, shard_header(Op.DELTA, meta=meta), [meta, b"delta"])
+    send_frame(a, Op.PING, {})
+    a.shutdown(socket.SHUT_WR)
+    first, second = read_frame(b, max_payload=LIMIT), read_frame(b, max_payload=LIMIT)
+    assert first is not None and first.op is Op.DELTA and first.payload == bytearray(b"delta")
+    assert second is not None and second.op is Op.PING
+    assert read_frame(b, max_payload=LIMIT) is None
+
+
+def test_protocol_error_is_a_ckptpilot_error() -> None:
+    assert issubclass(ProtocolError, CkptPilotError)
+
+
+PING_HEADER = b"{}"
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    (raw_frame(Op.PING, PING_HEADER, magic=b"HTTP"), "bad magic"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
+    (raw_frame(Op.PING, PING_HEADER, version=VERSION + 1), "unsupported protocol version"),
+    (raw_frame(77, PING_HEADER), "unknown op code 77"),
+    (PRELUDE.pack(MAGIC, VERSION, Op.PING, MAX_HEADER_BYTES + 1, 0), "header of 65537 bytes"),
+    (raw_frame(Op.PUT, b"{}", payload_len=LIMIT + 1), "exceeds this side's limit"),
+    (raw_frame(Op.PING, b"{not json"), "not valid UTF-8 JSON"),
+    (raw_frame(Op.PING, b"\xff\xfe"), "not valid UTF-8 JSON"),
+    (raw_frame(Op.PING, b"[1, 2]"), "must be a JSON object"),
+    (raw_frame(Op.PING, b"[" * 60_000), "not valid UTF-8 JSON"),
+    (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": 1}'), "missing field 'shard_index'"),
+    (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": "1", "shard_index": 0}'),
+     "field 'ckpt_id' is invalid"),
+    (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": true, "shard_index": 0}'),
+     "field 'ckpt_id' is invalid"),
+    (raw_frame(Op.RENEW, b'{"run_id": "r", "lease_seconds": -1}'),
+     "field 'lease_seconds' is invalid"),
+    (raw_frame(Op.ERR, b'{"error": "x"}'), "missing field 'code'"),
+    (raw_frame(Op.PING, PING_HEADER)[:7], "truncated frame.*prelude"),
+    (raw_frame(Op.LIST, b'{"run_id": "r"}')[:-3], "truncated frame.*header"),
+])
+def test_malformed_frames_raise_protocol_error(pair: tuple[socket.socket, socket.socket],
+                                               data: bytes, match: str) -> None:
+    a, b = pair
+    a.sendall(data)
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError, match=match):
+        read_head(b, max_payload=LIMIT)
+
+
+def test_truncated_payload_raises(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    meta = b"{}"
+    head = encode_head(Op.PUT, shard_header(meta=meta), len(meta) + 16)
+    a.sendall(head + meta + bytes(10))
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError, match=r"truncated frame.* 10 of 16 bytes of the PUT"):
+        read_frame(b, max_payload=LIMIT)
+
+
+def test_oversized_payload_is_refused_before_anything_is_allocated(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    header = json.dumps(shard_header()).encode()
+    a.sendall(raw_frame(Op.PUT, header, payload_len=1 << 50))
+    with pytest.raises(ProtocolError, match=r"payload of 1125899906842624 bytes exceeds"):
+        read_head(b, max_payload=LIMIT)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"kind": "delta"}, "field 'kind' is invalid"),
+    ({"shard_index": 2}, "shard_index 2 is out of range"),
+    ({"shard_count": 3}, "shard_count 3 must be data_shards"),
+    ({"kind": "parity"}, "cannot be of kind 'parity'"),
+    ({"sha256": "ab" * 32}, "stripe must list the sha256"),
+    ({"shard_size": 12}, "shard_size 12 must be a multiple of 8"),
+    ({"shard_size": 24}, "PUT payload is 18 bytes"),
+    ({"meta_len": 3}, "PUT payload is 18 bytes"),
+    ({"sha256": "XYZ"}, "field 'sha256' is invalid"),
+    ({"run_id": ""}, "field 'run_id' is invalid"),
+])
+def test_inconsistent_shard_headers_are_refused(change: dict[str, object], match: str) -> None:
+    header = {**shard_header(), **change}
+    with pytest.raises(ProtocolError, match=match):
+        validate_header(Op.PUT, header, 2 + 16)
+
+
+def test_delta_must_carry_a_delta_after_the_meta() -> None:
+    with pytest.raises(ProtocolError, match="holds no delta"):
+        validate_header(Op.DELTA, shard_header(Op.DELTA), 2)
+    with pytest.raises(ProtocolError, match="missing field 'base_id'"):
+        validate_header(Op.DELTA, shard_header(Op.PUT), 100)
+
+
+def test_writer_refuses_to_send_an_invalid_header(pair: tuple[socket.socket, socket.socket]
+                                                  ) -> None:
+    with pytest.raises(ProtocolError, match="missing field 'run_id'"):
+        send_frame(pair[0], Op.LIST, {})
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        encode_head(Op.PING, {"pad": "x" * MAX_HEADER_BYTES}, 0)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("127.0.0.1:7000", ("127.0.0.1", 7000)),
+    ("node-2:1", ("node-2", 1)),
+    ("[::1]:65535", ("::1", 65535)),
+])
+def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text", ["127.0.0.1", "host:0", "host:70000", "a b:1", ""])
+def test_parse_endpoint_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        parse_endpoint(text)
