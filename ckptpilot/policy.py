@@ -283,6 +283,7 @@ class PeerTierPolicy(_Section):
     timeout_seconds: float = Field(10.0, gt=0)
     probe_interval: float = Field(1.0, gt=0)
     bandwidth: _ByteSize = 10**9
+    registry: _Endpoint | None = None
 
 
 class RemoteTierPolicy(_Section):
