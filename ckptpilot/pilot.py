@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ import os
 import statistics
 import threading
 import time
+import uuid
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -49,11 +51,13 @@ from typing import Any
 
 import torch
 
+from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import (
     CheckpointFormatError,
     CheckpointWriteError,
     NoCheckpointError,
+    StateError,
 )
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
@@ -62,7 +66,15 @@ from ckptpilot.scheduler.decision import CheckpointDecision, Level
 from ckptpilot.scheduler.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
 from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
 from ckptpilot.scheduler.ledger import FailureLedger
-from ckptpilot.state import HostBufferPool, Snapshot, Stateful, TrainingComponents, apply, capture
+from ckptpilot.state import (
+    HostBufferPool,
+    Snapshot,
+    Stateful,
+    TrainingComponents,
+    apply,
+    arena_views,
+    capture,
+)
 from ckptpilot.storage.archive import (
     StagedArchive,
     checkpoint_name,
@@ -74,6 +86,7 @@ from ckptpilot.storage.archive import (
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
 from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
+from ckptpilot.tiers.peer import PeerFetchResult, PeerTier, PeerUnavailable
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.validation.recovery import Candidate, plan_recovery
@@ -129,7 +142,8 @@ class SaveRecord:
     location: str
     status: str  # "valid", or "corrupted" when post-write validation refused it
     bytes_raw: int = 0  # the snapshot's tensor bytes before the codecs
-    write_seconds: float = 0.0  # encode + write + fsync, before validation
+    write_seconds: float = 0.0  # encode + write + fsync (peers: the put), before validation
+    tier: str = "remote"  # where it went ("peer": the peers; an organ also to the remote)
 
 
 @dataclass(frozen=True)
@@ -142,7 +156,25 @@ class _SaveRequest:
 
 
 RECOVER_PIN = "recover.json"
+PEER_FORMAT = "ckptpilot-peer-image-1"
 MAX_RECOVERY_WALK = 5
+
+
+def _run_identity(run_dir: Path) -> str:
+    """A random id made once per run directory (file ``run_id``): shared peers tell runs
+    apart by it, since two jobs may well both call their directory ``run``. Created by an
+    atomic link, so ranks starting together agree on one."""
+    path = run_dir / "run_id"
+    if not path.exists():
+        tmp = run_dir / f".run_id.{os.getpid()}.{uuid.uuid4().hex}"
+        tmp.write_text(uuid.uuid4().hex[:16])
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -221,7 +253,13 @@ class CheckpointPilot:
         self._slots = threading.BoundedSemaphore(max_pending)
         self._pool = HostBufferPool(max_pending)
         mem = self.policy.tiers.memory
-        self.memory = MemoryTier(mem.max_bytes, self._pool) if mem.enabled else None
+        self.memory = (MemoryTier(mem.max_bytes, self._pool, max_sets=max_pending)
+                       if mem.enabled else None)
+        peer = self.policy.tiers.peer
+        self.peers = (PeerTier.from_policy(
+            peer, run_id=f"{self.run_id}-{_run_identity(self.run_dir)}.rank{self.rank:05d}")
+            if peer.enabled else None)
+        self._peer_step: int | None = None  # the newest checkpoint the peers took from us
         codecs = self.policy.codecs
         self._pulse_codecs = CodecSelector(
             {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
@@ -329,9 +367,17 @@ class CheckpointPilot:
                                    metric=(name, value))):
             self.scheduler.note_save(self.step, Level.PULSE)
             return
-        key = (self.run_id, self.step, self.rank, "remote")
         self._inflight.append((self.step, self._executor.submit(
-            self.store.set_metric, key, name, value)))
+            self._set_metric, self.step, name, value)))
+
+    def _set_metric(self, step: int, name: str, value: float) -> None:
+        """On the writer thread, after the save of ``step``: on its row in every tier."""
+        keys = [(self.run_id, step, self.rank, tier) for tier in ("peer", "remote")]
+        found = [key for key in keys if self.store.get(key) is not None]
+        if not found:
+            raise NoCheckpointError(f"metric {name!r}: step {step} has no checkpoint row")
+        for key in found:
+            self.store.set_metric(key, name, value)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -479,70 +525,28 @@ class CheckpointPilot:
     # -- writer thread ---------------------------------------------------------------------
 
     def _persist(self, snapshot: Snapshot, request: _SaveRequest, stall: float) -> SaveRecord:
-        """Stage → record ``pending`` → validate → publish and mark ``valid`` (or set aside
-        and mark ``corrupted``, with an alert: the previous valid checkpoint stays the
-        recovery point). A valid snapshot's buffers then stay in the memory tier.
+        """Write one save to its tiers; a valid snapshot's buffers then stay in the memory
+        tier (the base of the next peer deltas).
 
-        An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
-        self-contained (see ``storage.archive``)."""
+        With the peer tier: a pulse goes to the peers only, an organ to the peers and the
+        remote tier. A pulse the peers cannot take (too few reachable) goes to the remote tier
+        instead, with a warning: nothing is dropped."""
         kept = False
         try:
-            t0 = time.perf_counter()
-            codec_for = None
-            if request.level == Level.PULSE.value:
-                self._pulse_codecs.new_save()
-                codec_for = self._pulse_codecs.codec_for
-            staged = stage_organ(self.remote, snapshot, level=request.level,
-                                 reason=request.reason, retention_class=request.retention_class,
-                                 score=request.score, codec_for=codec_for)
-            write_seconds = time.perf_counter() - t0
-            if codec_for is not None:
-                _trim_heap()
-            key = (self.run_id, snapshot.step, self.rank, "remote")
-            self._retire_existing(key, staged.name)
-            metric_name, metric_value = request.metric or (None, None)
-            self.store.add_pending(
-                run_id=self.run_id, step=snapshot.step, rank=self.rank, level=request.level,
-                tier="remote", location=self.remote.path(staged.staging),
-                sha256=staged.manifest["self_sha256"], retention_class=request.retention_class,
-                score=request.score, metric_name=metric_name, metric_value=metric_value,
-                bytes_raw=snapshot.nbytes, bytes_encoded=staged.bytes,
-                codec=_codec_summary(staged), seconds_snapshot=stall,
-                seconds_write=write_seconds, reason=request.reason)
-            check = self._validator.validate(self.remote, staged.staging, staged.manifest,
-                                             model_layout(snapshot))
-            if check.ok:
-                self.remote.publish(staged.staging, staged.name)
-                location, status = self.remote.path(staged.name), Status.VALID
-                self.store.mark(key, status, location=location, seconds_validate=check.seconds)
-            else:
-                location = self.remote.path(self.remote.set_aside(
-                    staged.staging, "corrupted", label=staged.name))
-                status = Status.CORRUPTED
-                self.store.mark(key, status, location=location, seconds_validate=check.seconds,
-                                note=check.reason)
-                log.error("ALERT: the checkpoint of step %d failed validation and is kept as "
-                          "%s: %s. The previous valid checkpoint stays the recovery point.",
-                          snapshot.step, location, check.reason)
-            seconds = time.perf_counter() - t0
-            record = SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
-                                retention_class=request.retention_class, stall_seconds=stall,
-                                persist_seconds=seconds, validate_seconds=check.seconds,
-                                bytes=staged.bytes, location=location, status=status.value,
-                                bytes_raw=snapshot.nbytes, write_seconds=write_seconds)
+            record = None
+            if self.peers is not None:
+                record = self._persist_to_peers(snapshot, request, stall)
+            if record is None or request.level == Level.ORGAN.value:
+                record = self._persist_to_remote(snapshot, request, stall)
             self.saves.append(record)
-            log.info("saved %s step %d: %.1f MB (%.1f MB raw), stall %.1f ms, persisted in "
-                     "%.2f s (write %.2f s, validation %.2f s), %s (%s)", request.level,
-                     snapshot.step, staged.bytes / 1e6, snapshot.nbytes / 1e6, stall * 1e3,
-                     seconds, write_seconds, check.seconds, status.value, request.reason)
             self._telemetry.save(snapshot.step, {
-                "checkpoint/save_seconds": seconds,
+                "checkpoint/save_seconds": record.persist_seconds,
                 "checkpoint/stall_seconds": stall,
-                "checkpoint/validate_seconds": check.seconds,
-                "checkpoint/bytes": float(staged.bytes),
-                "checkpoint/ratio": snapshot.nbytes / max(staged.bytes, 1),
+                "checkpoint/validate_seconds": record.validate_seconds,
+                "checkpoint/bytes": float(record.bytes),
+                "checkpoint/ratio": snapshot.nbytes / max(record.bytes, 1),
             })
-            if status is Status.VALID and self.memory is not None:
+            if record.status == Status.VALID.value and self.memory is not None:
                 kept = self.memory.hold(snapshot, request.level)
             return record
         except Exception:
@@ -553,7 +557,122 @@ class CheckpointPilot:
                 self._pool.give_back(snapshot)
             self._slots.release()
 
-    def _retire_existing(self, key: tuple[str, int, int, str], name: str) -> None:
+    def _persist_to_peers(self, snapshot: Snapshot, request: _SaveRequest,
+                          stall: float) -> SaveRecord | None:
+        """Put the snapshot's arena on the peers, as XOR deltas against the memory tier's
+        snapshot when the peers hold that one. Validation is the SHA256 chain: every shard's
+        digest, computed before sending, is checked by its peer on receipt and after each
+        fold, and again by the client on fetch; the layout comes from the live state itself.
+        None when the peers could not take it."""
+        assert self.peers is not None and snapshot.arena is not None
+        t0 = time.perf_counter()
+        meta = json.dumps({
+            "format": PEER_FORMAT, "step": snapshot.step, "rank": self.rank,
+            "level": request.level, "reason": request.reason,
+            "retention_class": request.retention_class, "score": request.score,
+            "created_unix": time.time(),
+            "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in snapshot.layout],
+            "state": snapshot.meta,
+        }, separators=(",", ":")).encode()
+        base = None
+        held = self.memory.newest() if self.memory is not None else None
+        if (held is not None and held.step == self._peer_step and held.snapshot.arena is not None
+                and held.snapshot.layout == snapshot.layout):
+            base = (held.step, held.snapshot.arena.numpy())
+        key = (self.run_id, snapshot.step, self.rank, "peer")
+        self._retire_existing(key, None)
+        metric_name, metric_value = request.metric or (None, None)
+        self.store.add_pending(
+            run_id=self.run_id, step=snapshot.step, rank=self.rank, level=request.level,
+            tier="peer", location=f"peer:{self.peers.run_id}/{snapshot.step}",
+            sha256=hashlib.sha256(meta).hexdigest(), retention_class=request.retention_class,
+            score=request.score, metric_name=metric_name, metric_value=metric_value,
+            bytes_raw=snapshot.nbytes, codec="raw", seconds_snapshot=stall,
+            reason=request.reason)
+        try:
+            result = self.peers.put(snapshot.step, snapshot.arena.numpy(), meta, base=base)
+        except PeerUnavailable as e:
+            self.store.mark(key, Status.CORRUPTED, note=f"peer put failed: {e}")
+            log.warning("the peer tier could not take the %s of step %d (%s)%s", request.level,
+                        snapshot.step, e, "; writing it to the remote tier instead"
+                        if request.level == Level.PULSE.value else "")
+            return None
+        self._peer_step = snapshot.step
+        location = f"peer:{self.peers.run_id}/{snapshot.step}@{','.join(result.endpoints)}"
+        self.store.mark(key, Status.VALID, location=location, bytes_encoded=result.bytes_sent,
+                        codec="xor_delta" if result.delta_shards else "raw",
+                        seconds_write=result.seconds)
+        seconds = time.perf_counter() - t0
+        log.info("saved %s step %d to %d peers: %.1f MB sent (%d delta, %d full shards) for "
+                 "%.1f MB, stall %.1f ms, %.2f s (%s)", request.level, snapshot.step,
+                 len(result.endpoints), result.bytes_sent / 1e6, result.delta_shards,
+                 result.full_shards, snapshot.nbytes / 1e6, stall * 1e3, seconds,
+                 request.reason)
+        return SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
+                          retention_class=request.retention_class, stall_seconds=stall,
+                          persist_seconds=seconds, validate_seconds=0.0,
+                          bytes=result.bytes_sent, location=location,
+                          status=Status.VALID.value, bytes_raw=snapshot.nbytes,
+                          write_seconds=result.seconds, tier="peer")
+
+    def _persist_to_remote(self, snapshot: Snapshot, request: _SaveRequest,
+                           stall: float) -> SaveRecord:
+        """Stage → record ``pending`` → validate → publish and mark ``valid`` (or set aside
+        and mark ``corrupted``, with an alert: the previous valid checkpoint stays the
+        recovery point).
+
+        An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
+        self-contained (see ``storage.archive``)."""
+        t0 = time.perf_counter()
+        codec_for = None
+        if request.level == Level.PULSE.value:
+            self._pulse_codecs.new_save()
+            codec_for = self._pulse_codecs.codec_for
+        staged = stage_organ(self.remote, snapshot, level=request.level,
+                             reason=request.reason, retention_class=request.retention_class,
+                             score=request.score, codec_for=codec_for)
+        write_seconds = time.perf_counter() - t0
+        if codec_for is not None:
+            _trim_heap()
+        key = (self.run_id, snapshot.step, self.rank, "remote")
+        self._retire_existing(key, staged.name)
+        metric_name, metric_value = request.metric or (None, None)
+        self.store.add_pending(
+            run_id=self.run_id, step=snapshot.step, rank=self.rank, level=request.level,
+            tier="remote", location=self.remote.path(staged.staging),
+            sha256=staged.manifest["self_sha256"], retention_class=request.retention_class,
+            score=request.score, metric_name=metric_name, metric_value=metric_value,
+            bytes_raw=snapshot.nbytes, bytes_encoded=staged.bytes,
+            codec=_codec_summary(staged), seconds_snapshot=stall,
+            seconds_write=write_seconds, reason=request.reason)
+        check = self._validator.validate(self.remote, staged.staging, staged.manifest,
+                                         model_layout(snapshot))
+        if check.ok:
+            self.remote.publish(staged.staging, staged.name)
+            location, status = self.remote.path(staged.name), Status.VALID
+            self.store.mark(key, status, location=location, seconds_validate=check.seconds)
+        else:
+            location = self.remote.path(self.remote.set_aside(
+                staged.staging, "corrupted", label=staged.name))
+            status = Status.CORRUPTED
+            self.store.mark(key, status, location=location, seconds_validate=check.seconds,
+                            note=check.reason)
+            log.error("ALERT: the checkpoint of step %d failed validation and is kept as "
+                      "%s: %s. The previous valid checkpoint stays the recovery point.",
+                      snapshot.step, location, check.reason)
+        seconds = time.perf_counter() - t0
+        record = SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
+                            retention_class=request.retention_class, stall_seconds=stall,
+                            persist_seconds=seconds, validate_seconds=check.seconds,
+                            bytes=staged.bytes, location=location, status=status.value,
+                            bytes_raw=snapshot.nbytes, write_seconds=write_seconds)
+        log.info("saved %s step %d: %.1f MB (%.1f MB raw), stall %.1f ms, persisted in "
+                 "%.2f s (write %.2f s, validation %.2f s), %s (%s)", request.level,
+                 snapshot.step, staged.bytes / 1e6, snapshot.nbytes / 1e6, stall * 1e3,
+                 seconds, write_seconds, check.seconds, status.value, request.reason)
+        return record
+
+    def _retire_existing(self, key: tuple[str, int, int, str], name: str | None) -> None:
         """A run resumed from an earlier step saves a step again: the old copy (from the
         abandoned continuation) is set aside and its row expired, never silently replaced."""
         row = self.store.get(key)
@@ -561,7 +680,7 @@ class CheckpointPilot:
             return
         note = f"superseded by a new save of step {key[1]} after resuming from an earlier step"
         location = row.location
-        if self.remote.exists(name):
+        if name is not None and self.remote.exists(name):
             location = self.remote.path(self.remote.set_aside(name, "superseded"))
         if row.status is Status.PENDING:
             self.store.mark(key, Status.CORRUPTED, location=location, note=note)
@@ -603,6 +722,23 @@ class CheckpointPilot:
             self._restore_from_memory(held, t0, skipped)
             self._consume_pin(pin, held.step, forced)
             return held.step
+        newest_remote = plan.attempts[0].step if plan.attempts else -1
+        target = self._peer_target(step, newest_remote) if not forced else None
+        if target is not None:
+            assert self.peers is not None
+            where = f"peer:{self.peers.run_id}/{target}"
+            try:
+                self._restore_from_peer(self.peers.fetch(target), target, t0, skipped)
+            except (PeerUnavailable, CheckpointFormatError, StateError) as e:
+                log.warning("cannot restore step %d from the peer tier: %s", target, e)
+                skipped.append(SkippedCheckpoint(where, str(e)))
+                row = self.store.get((self.run_id, target, self.rank, "peer"))
+                if row is not None and row.status is Status.VALID:
+                    self.store.mark(row.key, Status.CORRUPTED,
+                                    note=f"failed on restore: {e}"[:2000])
+            else:
+                self._consume_pin(pin, target, forced)
+                return target
         if step is not None and not plan.attempts:
             raise NoCheckpointError(
                 f"no usable checkpoint of step {step} for rank {self.rank} in "
@@ -632,6 +768,61 @@ class CheckpointPilot:
         self._after_restore(0, None)
         self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
+
+    def _peer_target(self, step: int | None, newest_remote: int) -> int | None:
+        """The checkpoint to fetch from the peers: the pinned ``step`` if they hold it, else
+        the newest valid peer row (or, with no metadata, the newest the peers hold) when it is
+        at least as new as the newest remote candidate."""
+        if self.peers is None:
+            return None
+        rows = [r for r in self.store.rows(self.run_id, rank=self.rank, tier="peer")
+                if r.status is Status.VALID]
+        if rows:
+            steps = {r.step for r in rows}
+        else:
+            try:
+                steps = set(self.peers.list())
+            except (PeerUnavailable, OSError) as e:
+                log.warning("cannot list the peer tier: %s", e)
+                return None
+        if step is not None:
+            return step if step in steps else None
+        newest = max(steps, default=None)
+        return newest if newest is not None and newest >= newest_remote else None
+
+    def _restore_from_peer(self, fetched: PeerFetchResult, step: int, t0: float,
+                           skipped: list[SkippedCheckpoint]) -> None:
+        where = f"peer:{self.peers.run_id}/{step}" if self.peers else "peer"
+        try:
+            meta = json.loads(fetched.meta)
+            if meta.get("format") != PEER_FORMAT or (meta.get("step"), meta.get("rank")) != (
+                    step, self.rank):
+                raise CheckpointFormatError(
+                    f"{where}: holds {meta.get('format')!r} of step {meta.get('step')!r}, "
+                    f"rank {meta.get('rank')!r}")
+            layout = [(name, DTYPES[dtype], shape) for name, dtype, shape in meta["layout"]]
+            level = Level(meta["level"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointFormatError(f"{where}: bad meta: {e}") from e
+        arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
+                 else torch.empty(0, dtype=torch.uint8))
+        tensors = arena_views(arena, layout)
+
+        def get_tensor(key: str) -> torch.Tensor:
+            try:
+                return tensors[key]
+            except KeyError:
+                raise CheckpointFormatError(
+                    f"{where}: state refers to tensor {key!r}, absent from the image") from None
+
+        self._apply(meta["state"], get_tensor)
+        self._after_restore(step, level)
+        if fetched.rebuilt_shard is not None:
+            where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
+        self.last_recovery = self._report(RecoverySource.PEER, step, level.value, t0,
+                                          where, skipped, fetched.bytes_fetched)
+        log.info("restored step %d from %s in %.2f s (%.1f MB fetched)", step, where,
+                 self.last_recovery.seconds, fetched.bytes_fetched / 1e6)
 
     def _consume_pin(self, pin: Path, step: int, forced: bool) -> None:
         if pin.exists():
@@ -758,6 +949,8 @@ class CheckpointPilot:
                 self._health.stop()
             self._telemetry.close()
             self._validator.close()
+            if self.peers is not None:
+                self.peers.close()
             if self._run_started:
                 self._ledger.record_run_end(self.step)
             self.store.close()

@@ -20,7 +20,7 @@ from ckptpilot.pilot import RECOVER_PIN
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
-from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
+from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status, Tier
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 
@@ -165,12 +165,16 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
 
 
 def _remover(run: Run) -> tuple[object, object]:
+    """Files exist only for rows of the remote tier; a peer's or the memory tier's copy of an
+    expired row is the holder's to drop (peers drop superseded states on commit, and expire
+    a run's shards with its lease), so removing such a row only marks it."""
+
     def exists(row: CheckpointRow) -> bool:
-        return run.remote.exists(Run.entry(row))
+        return row.tier is Tier.REMOTE and run.remote.exists(Run.entry(row))
 
     def remove(row: CheckpointRow) -> None:
         name = Run.entry(row)
-        if run.remote.exists(name):
+        if row.tier is Tier.REMOTE and run.remote.exists(name):
             run.remote.remove(name)
 
     return exists, remove

@@ -122,6 +122,9 @@ def main() -> None:
     start = pilot.restore()
     rec = pilot.last_recovery
     print(f"RESUMED {start} {rec.source.value} {rec.steps_lost} {rec.level}", flush=True)
+    print("RECOVERY " + json.dumps({"location": rec.location, "bytes_read": rec.bytes_read,
+                                    "skipped": [[s.location, s.reason] for s in rec.skipped]}),
+          flush=True)
     with open(a.losses, "a") as log:
         for step in range(start, a.steps):
             model.train()

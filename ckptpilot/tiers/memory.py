@@ -6,7 +6,11 @@ snapshot buffers themselves, no copy: when a save has been validated its buffers
 the buffers of the checkpoint they replace go back to the snapshot pool. When the pool has
 no free set for a new capture, the capture takes the buffers held here (``take``)
 and the tier is empty until that save completes — so the tier never adds host memory beyond
-the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps.
+the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps. A capture
+allocates a new set only while fewer than ``max_pending`` exist, so with saves that finish
+before the next one starts the tier keeps the previous snapshot — the base of the peer tier's
+deltas — while the next is captured into a second set; under back-pressure (a capture while
+every other set is in flight) it gives the held one up and the next peer put is full.
 
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
 
@@ -35,9 +39,11 @@ class MemoryEntry:
 class MemoryTier:
     name = "memory"
 
-    def __init__(self, max_bytes: int, pool: HostBufferPool) -> None:
+    def __init__(self, max_bytes: int, pool: HostBufferPool, *, max_sets: int) -> None:
         self.max_bytes = max_bytes
         self._pool = pool
+        self._max_sets = max_sets
+        self._sets = 0  # buffer sets the captures were told to allocate
         self._entry: MemoryEntry | None = None
         self._lock = threading.Lock()
 
@@ -57,13 +63,17 @@ class MemoryTier:
         return True
 
     def take(self) -> Snapshot | None:
-        """Buffers for the next capture: a free pool set, else the ones held here."""
+        """Buffers for the next capture: a free pool set; else None (allocate) while fewer
+        than ``max_sets`` sets exist; else the ones held here."""
         reuse = self._pool.take()
         if reuse is not None:
             return reuse
         with self._lock:
+            if self._sets < self._max_sets or self._entry is None:
+                self._sets += 1
+                return None
             held, self._entry = self._entry, None
-        return held.snapshot if held is not None else None
+        return held.snapshot
 
     def newest(self) -> MemoryEntry | None:
         with self._lock:
