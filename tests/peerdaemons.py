@@ -109,3 +109,36 @@ def stop_all(daemons: list[Daemon]) -> None:
             d.proc.send_signal(signal.SIGTERM)
     for d in daemons:
         d.stop()
+
+
+REGISTRY_LISTENING = "ckptpilot peer registry listening on "
+
+
+class Registry:
+    """One ``ckptpilot peer registry`` process on a free port; ``address`` once listening."""
+
+    def __init__(self, log_path: Path, nodes: int) -> None:
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "ckptpilot", "peer", "registry", "--host", "127.0.0.1",
+               "--port", "0", "--nodes", str(nodes)]
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith(REGISTRY_LISTENING):
+            self.proc.kill()
+            raise RuntimeError(f"registry did not start; its log:\n{log_path.read_text()}")
+        self.address = line.strip()[len(REGISTRY_LISTENING):]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode

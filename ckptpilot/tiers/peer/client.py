@@ -18,10 +18,16 @@ of the new checkpoint then drop the run's older states (after their folds succee
 peers drop stale copies of the run. A put that fails half-way is never committed, so the
 previous committed checkpoint stays recoverable.
 
+Health registry (optional, ``registry="host:port"``): placement never chooses a peer whose
+node the registry has down or draining, and a peer that refuses, resets or times out a
+transfer is marked down there, so that other clients avoid it too. Registry trouble is logged
+and never fails a put or fetch (see ``membership.RegistryView``).
+
 Threading: ``put`` and ``fetch`` may be called from one thread at a time each (the pilot's
 background writer, the restoring thread); they spread their transfers over an internal
 thread pool. A daemon thread renews the lease every ``lease_seconds / 3`` until
-:meth:`PeerTier.close`; a placement thread probes the peers every ``probe_interval``.
+:meth:`PeerTier.close`; a placement thread probes the peers every ``probe_interval``; with a
+registry, a thread rereads it every ``probe_interval`` and one more writes the down marks.
 """
 
 from __future__ import annotations
@@ -57,10 +63,14 @@ from ckptpilot.tiers.peer.protocol import (
 
 if TYPE_CHECKING:
     from ckptpilot.policy import PeerTierPolicy
+    from ckptpilot.tiers.peer.membership import RegistryView
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ERRORS = (OSError, ProtocolError, PeerRequestError)
+# Failures that say the peer is gone (reported to the health registry); a peer that answers
+# ERR or sends a malformed frame is alive, and a name that does not resolve is our problem.
+_PEER_GONE_ERRORS = (ConnectionError, TimeoutError)
 _LAYOUTS_KEPT = 4
 
 
@@ -135,10 +145,14 @@ class _Claims:
 class PeerTier:
     """Checkpoints in the memory of peer daemons (see the module docstring).
 
-    Lifecycle: construct (probes every endpoint once), ``put`` / ``fetch`` / ``list`` any
-    number of times, :meth:`close` (or use as a context manager). Closing stops the lease
-    renewal, so the peers free this run's shards ``lease_seconds`` later unless another
-    :class:`PeerTier` with the same ``run_id`` takes over.
+    Lifecycle: construct (probes every endpoint once; with ``registry``, reads the health
+    registry once, waiting up to ``min(timeout_seconds, 5)`` s for it), ``put`` / ``fetch``
+    / ``list`` any number of times, :meth:`close` (or use as a context manager). Closing
+    stops the lease renewal, so the peers free this run's shards ``lease_seconds`` later
+    unless another :class:`PeerTier` with the same ``run_id`` takes over.
+
+    ``is_down`` and ``registry`` both keep peers out of placement; ``registry_view`` is the
+    tier's own :class:`~ckptpilot.tiers.peer.membership.RegistryView` (None without one).
     """
 
     def __init__(
@@ -153,6 +167,7 @@ class PeerTier:
         probe_interval: float = 1.0,
         is_down: Callable[[str], bool] | None = None,
         rtt_tie_seconds: float = 0.0005,
+        registry: str | None = None,
     ) -> None:
         if not isinstance(run_id, str) or not 0 < len(run_id) <= 256:
             raise ValueError(f"run_id must be a non-empty string of at most 256 characters, "
@@ -164,7 +179,7 @@ class PeerTier:
                             ("probe_interval", probe_interval)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for endpoint in endpoints:
+        for endpoint in [*endpoints, *([registry] if registry is not None else [])]:
             parse_endpoint(endpoint)
         self.run_id = run_id
         self.data_shards = data_shards
@@ -184,9 +199,18 @@ class PeerTier:
         self._layouts: dict[int, _Layout] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self.registry_view: RegistryView | None = None
+        if registry is not None:
+            from ckptpilot.tiers.peer.membership import RegistryView
+
+            self.registry_view = RegistryView(registry, refresh_seconds=probe_interval,
+                                              timeout_seconds=min(timeout_seconds, 5.0))
+            is_down = _either(is_down, self.registry_view.is_down)
         self.placement = Placement(self.endpoints, probe_interval=probe_interval,
                                    timeout_seconds=timeout_seconds, is_down=is_down,
                                    rtt_tie_seconds=rtt_tie_seconds)
+        if self.registry_view is not None:
+            self.registry_view.start()  # before the first placement: it must know who is down
         self.placement.start()
         self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
                                          name="ckptpilot-peer-lease")
@@ -200,11 +224,13 @@ class PeerTier:
         run_id: str,
         is_down: Callable[[str], bool] | None = None,
     ) -> PeerTier:
-        """A tier configured by ``tiers.peer`` of the policy file."""
+        """A tier configured by ``tiers.peer`` of the policy file, watching the health
+        registry at ``tiers.peer.registry`` when it is set."""
         return cls(policy.endpoints, run_id=run_id, data_shards=policy.data_shards,
                    parity=policy.parity, lease_seconds=policy.lease_seconds,
                    timeout_seconds=policy.timeout_seconds,
-                   probe_interval=policy.probe_interval, is_down=is_down)
+                   probe_interval=policy.probe_interval, is_down=is_down,
+                   registry=policy.registry)
 
     def __enter__(self) -> PeerTier:
         return self
@@ -220,6 +246,8 @@ class PeerTier:
         self._renewer.join()
         self.placement.close()
         self._pool.shutdown(wait=True)
+        if self.registry_view is not None:
+            self.registry_view.close()
 
     # -------------------------------------------------------------------------------- put
 
@@ -353,7 +381,8 @@ class PeerTier:
         max_reply_payload: int = 0,
     ) -> Frame:
         """One request, with its outcome reported to placement (a failure or a transfer
-        slower than ``timeout_seconds`` makes the peer avoided next time)."""
+        slower than ``timeout_seconds`` makes the peer avoided next time) and, when the peer
+        seems gone, to the health registry."""
         start = time.perf_counter()
         try:
             reply = call(endpoint, op, header, parts, timeout_seconds=self.timeout_seconds,
@@ -362,8 +391,12 @@ class PeerTier:
             ok = e.code in ("no_base", "not_found")  # a sound peer answering a fair no
             self.placement.report(endpoint, ok, time.perf_counter() - start)
             raise
-        except (OSError, ProtocolError):
+        except (OSError, ProtocolError) as e:
             self.placement.report(endpoint, False, time.perf_counter() - start)
+            if self.registry_view is not None and isinstance(e, _PEER_GONE_ERRORS):
+                self.registry_view.report_failure(
+                    endpoint, f"{op.name} from run {self.run_id!r} failed: "
+                    f"{describe_failure(e)}")
             raise
         self.placement.report(endpoint, True, time.perf_counter() - start)
         return reply
@@ -587,6 +620,14 @@ class PeerTier:
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise RuntimeError("this PeerTier is closed")
+
+
+def _either(
+    first: Callable[[str], bool] | None, second: Callable[[str], bool]
+) -> Callable[[str], bool]:
+    if first is None:
+        return second
+    return lambda endpoint: first(endpoint) or second(endpoint)
 
 
 def _sha256(data: np.ndarray) -> str:

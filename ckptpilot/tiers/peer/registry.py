@@ -2,11 +2,15 @@
 
 It owns the layout of node states in a ``torch.distributed`` key-value store (the coordinator's
 ``TCPStore``) and the protocol that lets a state spread over several keys be rewritten while
-other processes read it. It must not probe peers, choose placements or open sockets of its own:
-daemons and pilots publish, the peer placement asks :meth:`HealthRegistry.is_down`.
+other processes read it, and hosting / connecting to that store (:func:`host_registry`,
+:func:`connect_registry`). It must not talk to peers or choose placements: daemons publish
+(through ``membership.Announcer``), clients read (through ``membership.RegistryView``), and the
+peer placement asks whether an endpoint is down.
 
 Keys, all under ``ckptpilot/health/`` (``n`` is a node index):
 
+``num_nodes``        how many nodes the registry holds (set once by :func:`host_registry`), so
+                     that a reader needs only the store's address
 ``bitmap``           the master bitmap (SPEC §6): the set bits, each with the token of the writer
                      holding it, ``"<n>:<token>,<m>:<token>"`` sorted by bit, ``""`` when no bit
                      is set. Changed only with ``compare_set``; bit ``n`` set means node ``n``'s
@@ -48,6 +52,7 @@ import logging
 import math
 import random
 import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,6 +67,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ckptpilot/health"
 BITMAP_KEY = f"{PREFIX}/bitmap"
+NUM_NODES_KEY = f"{PREFIX}/num_nodes"
 STATUSES = ("up", "down", "draining")
 
 _BACKOFF_MIN_SECONDS = 0.0005
@@ -69,6 +75,7 @@ _BACKOFF_MAX_SECONDS = 0.01
 # A writer that keeps losing bit n to other live writers gives up after this many timeouts
 # (one timeout is needed just to see that a holder is stale).
 _ACQUIRE_TIMEOUTS = 3
+_CONNECT_RETRY_SECONDS = 0.1
 
 
 class RegistryError(CkptPilotError, RuntimeError):
@@ -170,12 +177,93 @@ def connect_store(host: str, port: int, *, timeout_seconds: float = 30.0) -> dis
                          timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
+def host_registry(host: str, port: int, *, num_nodes: int,
+                  timeout_seconds: float = 30.0) -> dist.TCPStore:
+    """Host the registry of ``num_nodes`` nodes (``ckptpilot peer registry``); ``port=0``
+    picks a free port (``.port``). Raises :class:`RegistryError` if ``host`` is not an address
+    of this machine, ``torch.distributed.DistError`` if the store cannot listen (port taken).
+    """
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
+    # The store's own client connects to ``host`` and retries a bad one for ``timeout_seconds``
+    # (with a C++ stack trace per try): fail at once instead.
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(sockaddr)
+    except OSError as e:
+        raise RegistryError(f"{host} is no address of this machine ({e.strerror or e})") from e
+    store = host_store(host, port, timeout_seconds=timeout_seconds)
+    store.set(NUM_NODES_KEY, str(num_nodes))
+    return store
+
+
+def connect_registry(address: str, *, node: int | None = None, timeout_seconds: float = 10.0,
+                     retry_timeout_seconds: float = 5.0) -> HealthRegistry:
+    """The registry a ``ckptpilot peer registry`` hosts at ``"host:port"``, as node ``node``
+    (None: a reader, which never publishes). Its size comes from the store.
+
+    Waits up to ``timeout_seconds`` for the address to accept connections (a registry started
+    at the same time as its nodes may not listen yet); ``timeout_seconds`` also bounds each
+    store request later. Raises :class:`RegistryError` naming the address if it cannot be
+    reached, is not a ckptpilot registry, or has no node ``node``.
+    """
+    from ckptpilot.tiers.peer.protocol import parse_endpoint
+
+    host, port = parse_endpoint(address)
+    _wait_until_listening(address, host, port, timeout_seconds)
+    try:
+        store = connect_store(host, port, timeout_seconds=timeout_seconds)
+        found = store.check([NUM_NODES_KEY])
+        raw = store.get(NUM_NODES_KEY) if found else b""
+    except RuntimeError as e:  # torch.distributed.DistError and its kin
+        raise RegistryError(f"health registry at {address}: {_first_line(e)}") from e
+    if not found:
+        raise RegistryError(f"{address} serves a store without {NUM_NODES_KEY}: not a ckptpilot "
+                            "health registry; start one with `ckptpilot peer registry --nodes N`")
+    try:
+        num_nodes = int(raw)
+    except ValueError:
+        raise RegistryFormatError(NUM_NODES_KEY, f"expected a node count, got {raw!r}") from None
+    if node is not None and not 0 <= node < num_nodes:
+        raise RegistryError(f"node {node} is out of range: the health registry at {address} "
+                            f"holds {num_nodes} nodes (0..{num_nodes - 1})")
+    return HealthRegistry(store, node=node, num_nodes=num_nodes,
+                          retry_timeout_seconds=retry_timeout_seconds)
+
+
+def _wait_until_listening(address: str, host: str, port: int, timeout_seconds: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; :class:`RegistryError` after
+    ``timeout_seconds``. Done here because the TCPStore client's own retries log a C++ stack
+    trace per attempt."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(remaining, 0.05)):
+                return
+        except OSError as e:
+            if time.monotonic() + _CONNECT_RETRY_SECONDS >= deadline:
+                why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+                raise RegistryError(
+                    f"cannot reach the health registry at {address} within "
+                    f"{timeout_seconds:g} s: {why}; is `ckptpilot peer registry` running there?"
+                ) from e
+        time.sleep(_CONNECT_RETRY_SECONDS)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 class HealthRegistry:
-    """Node ``node``'s view of the registry of ``num_nodes`` nodes kept in ``store``.
+    """Node ``node``'s view of the registry of ``num_nodes`` nodes kept in ``store``;
+    ``node=None`` is a reader (a client), which may read and mark others down but not publish.
 
     Lifecycle: a node calls :meth:`publish` when its peer daemon is serving (status "up"),
-    :meth:`heartbeat` periodically, and :meth:`publish` again to drain or leave. Any node calls
-    :meth:`mark_down` on another it finds dead, and :meth:`read`, :meth:`read_all`,
+    :meth:`heartbeat` periodically, and :meth:`publish` again to drain or leave. Anyone calls
+    :meth:`mark_down` on a node it finds dead, and :meth:`read`, :meth:`read_all`,
     :meth:`is_down` whenever it needs to know. A node marked down by someone else stays down
     through its heartbeats until it publishes again: only an explicit publish revives it.
 
@@ -184,12 +272,12 @@ class HealthRegistry:
     ``TCPStore`` client serialises its own requests.
     """
 
-    def __init__(self, store: dist.Store, *, node: int, num_nodes: int,
+    def __init__(self, store: dist.Store, *, node: int | None, num_nodes: int,
                  retry_timeout_seconds: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
-        if not 0 <= node < num_nodes:
+        if node is not None and not 0 <= node < num_nodes:
             raise ValueError(f"node must be in [0, {num_nodes}), got {node}")
         if retry_timeout_seconds <= 0:
             raise ValueError(f"retry_timeout_seconds must be > 0, got {retry_timeout_seconds}")
@@ -208,15 +296,16 @@ class HealthRegistry:
 
     def publish(self, state: NodeState) -> NodeState:
         """Write this node's state; returns it as stored (with its ``seq`` and ``updated_at``)."""
-        if state.node != self.node:
-            raise ValueError(f"node {self.node} can only publish its own state, not node "
+        node = self._check_writer("publish")
+        if state.node != node:
+            raise ValueError(f"node {node} can only publish its own state, not node "
                              f"{state.node}'s (use mark_down for other nodes)")
         if not self._guarded:
-            stored = replace(state, seq=self._seq(self.node), updated_at=self._clock())
+            stored = replace(state, seq=self._seq(node), updated_at=self._clock())
             self._write_keys(stored)
             return stored
-        with self._write_lock(self.node):
-            stored = replace(state, seq=self._bump(self.node), updated_at=self._clock())
+        with self._write_lock(node):
+            stored = replace(state, seq=self._bump(node), updated_at=self._clock())
             self._write_keys(stored)
         return stored
 
@@ -226,14 +315,15 @@ class HealthRegistry:
         Status, endpoint and reason are kept as stored, so a down mark set by another node
         survives heartbeats. Raises :class:`RegistryError` if this node never published.
         """
-        if self._seq(self.node) == 0:
-            raise RegistryError(f"node {self.node}: nothing to heartbeat; publish a state first")
-        with self._write_lock(self.node):
-            current = self._peek(self.node)
+        node = self._check_writer("heartbeat")
+        if self._seq(node) == 0:
+            raise RegistryError(f"node {node}: nothing to heartbeat; publish a state first")
+        with self._write_lock(node):
+            current = self._peek(node)
             if current is None:
-                raise RegistryError(f"node {self.node}: stored state is missing or torn; "
+                raise RegistryError(f"node {node}: stored state is missing or torn; "
                                     "publish a complete state")
-            changes: dict[str, Any] = {"seq": self._bump(self.node),
+            changes: dict[str, Any] = {"seq": self._bump(node),
                                        "updated_at": self._clock()}
             if mem_used_bytes is not None:
                 changes["mem_used_bytes"] = mem_used_bytes
@@ -257,8 +347,7 @@ class HealthRegistry:
         stored = replace(current, status="down", reason=reason, seq=self._bump(node),
                          updated_at=self._clock())
         self._write_keys(stored)
-        log.warning("health registry: node %d marked down by node %d: %s", node, self.node,
-                    reason)
+        log.warning("health registry: node %d marked down by %s: %s", node, self._who, reason)
         return stored
 
     # -- reading ---------------------------------------------------------------------------
@@ -298,11 +387,15 @@ class HealthRegistry:
             time.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, _BACKOFF_MAX_SECONDS)
 
-    def read_all(self) -> dict[int, NodeState]:
-        """The states of every node that has published, by node index; raises as :meth:`read`."""
+    def read_all(self, *, mark_stalled_down: bool = False) -> dict[int, NodeState]:
+        """The states of every node that has published, by node index; raises as :meth:`read`.
+
+        ``mark_stalled_down``: a node whose state is stuck behind a dead writer's bit is
+        marked down (a write to the store) instead of raising; what :meth:`is_down` does.
+        """
         states = {}
         for node in range(self.num_nodes):
-            state = self.read(node)
+            state = self._read_or_mark_down(node) if mark_stalled_down else self.read(node)
             if state is not None:
                 states[node] = state
         return states
@@ -314,22 +407,21 @@ class HealthRegistry:
         to the store) and counts as down. "draining" nodes are not down; an endpoint no node
         has published is not down either.
         """
-        down = False
-        for node in range(self.num_nodes):
-            try:
-                state = self.read(node)
-            except RegistryTimeoutError as e:
-                if not e.stalled:
-                    raise
-                # Take the stalled bit over at once, but if the node wrote since it timed out,
-                # it is alive after all: read it again instead of marking it down.
-                with self._write_lock(node, stale_hint=(e.holder, e.seq)):
-                    state = (self._write_down(node, f"registry: stale write of its state ({e})")
-                             if self._seq(node) == e.seq else None)
-                state = state or self.read(node)
-            if state is not None and state.endpoint == endpoint:
-                down = down or state.status == "down"
-        return down
+        return any(state.endpoint == endpoint and state.status == "down"
+                   for state in self.read_all(mark_stalled_down=True).values())
+
+    def _read_or_mark_down(self, node: int) -> NodeState | None:
+        try:
+            return self.read(node)
+        except RegistryTimeoutError as e:
+            if not e.stalled:
+                raise
+            # Take the stalled bit over at once, but if the node wrote since it timed out,
+            # it is alive after all: read it again instead of marking it down.
+            with self._write_lock(node, stale_hint=(e.holder, e.seq)):
+                state = (self._write_down(node, f"registry: stale write of its state ({e})")
+                         if self._seq(node) == e.seq else None)
+            return state or self.read(node)
 
     # -- the protocol ----------------------------------------------------------------------
 
@@ -371,8 +463,8 @@ class HealthRegistry:
                     time.sleep(delay * random.uniform(0.5, 1.0))
                     delay = min(delay * 2, _BACKOFF_MAX_SECONDS)
                     continue
-                log.warning("health registry: node %d takes over bit %d from writer %s "
-                            "(no progress for %.1f s; presumed dead)", self.node, node, holder,
+                log.warning("health registry: %s takes over bit %d from writer %s "
+                            "(no progress for %.1f s; presumed dead)", self._who, node, holder,
                             now - observed_since)
             desired = _encode_bitmap({**bits, node: token})
             # The new token makes ``desired`` unique, so getting it back means this swap won.
@@ -472,6 +564,16 @@ class HealthRegistry:
     def _check_node(self, node: int) -> None:
         if not 0 <= node < self.num_nodes:
             raise ValueError(f"node must be in [0, {self.num_nodes}), got {node}")
+
+    @property
+    def _who(self) -> str:
+        return "a reader" if self.node is None else f"node {self.node}"
+
+    def _check_writer(self, what: str) -> int:
+        if self.node is None:
+            raise RegistryError(f"a reader (node=None) cannot {what}: only a node writes its "
+                                "own state; connect with node=<its index>")
+        return self.node
 
 
 def _encode_bitmap(bits: dict[int, str]) -> str:
