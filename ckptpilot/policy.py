@@ -284,6 +284,7 @@ class PeerTierPolicy(_Section):
     probe_interval: float = Field(1.0, gt=0)
     bandwidth: _ByteSize = 10**9
     registry: _Endpoint | None = None
+    deltas: Literal["auto", "always", "never"] = "auto"
 
 
 class RemoteTierPolicy(_Section):

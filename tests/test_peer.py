@@ -70,7 +70,7 @@ def endpoints(nodes: list[Daemon]) -> list[str]:
 
 def tier(nodes: list[Daemon], run_id: str, **kw: object) -> PeerTier:
     options: dict[str, object] = {"probe_interval": 0.2, "timeout_seconds": 3.0,
-                                  "lease_seconds": 60.0, **kw}
+                                  "lease_seconds": 60.0, "deltas": "always", **kw}
     return PeerTier(endpoints(nodes), run_id=run_id, **options)  # type: ignore[arg-type]
 
 
@@ -528,3 +528,26 @@ def test_two_peers_killed_raise_with_each_reason(cluster: list[Daemon]) -> None:
             PeerUnavailable, match=r"shard 0: held by no reachable peer \(unreachable: .*"
                                    r"connection refused"):
         fresh.fetch(1)
+
+
+def test_auto_deltas_follow_the_measured_cost(cluster: list[Daemon]) -> None:
+    image = weights(50_000, seed=11)
+    moved = image + np.float32(1e-3)
+    with tier(cluster, "auto-deltas", deltas="auto") as t:
+        assert t.put(1, image.tobytes(), b"m").delta_shards == 0  # no base: full
+        tried = t.put(2, moved.tobytes(), b"m", base=(1, image.tobytes()))
+        assert tried.delta_shards == t.shard_count  # deltas untried yet: measured once
+        kinds = []
+        for ckpt, seconds in enumerate(([1.0, 2.0], [2.0, 1.0]) * 6, start=3):
+            t._seconds_per_byte.update(delta=seconds[0] * 1e-9, full=seconds[1] * 1e-9)
+            prev = moved if ckpt % 2 else image
+            cur = image if ckpt % 2 else moved
+            r = t.put(ckpt, cur.tobytes(), b"m", base=(ckpt - 1, prev.tobytes()))
+            kinds.append("delta" if r.delta_shards else "full")
+            assert bytes(t.fetch(ckpt).image) == cur.tobytes()
+        # The cheaper kind each time, except every 10th put with a base tries the other.
+        expected = ["delta", "full"] * 6
+        expected[8] = "full" if expected[8] == "delta" else "delta"  # the 10th base put
+        assert kinds == expected
+    with pytest.raises(ValueError, match="deltas must be one of"):
+        tier(cluster, "x", deltas="sometimes")

@@ -53,7 +53,8 @@ def config(tmp: Path, cluster: list[Daemon], *, organ_every: int = 2) -> Path:
                     weights: {{loss: 1.0, grad: 0.0, system: 0.0}},
                     loss: {{slope_threshold: 1000.0}}, organ_every: {organ_every}}}
         tiers: {{peer: {{enabled: true, endpoints: [{eps}], data_shards: 3, parity: true,
-                        lease_seconds: 60, timeout_seconds: 5, probe_interval: 0.2}}}}
+                        lease_seconds: 60, timeout_seconds: 5, probe_interval: 0.2,
+                        deltas: always}}}}
         observability: {{tensorboard: false, decision_log: false}}
         """))
     return cfg
