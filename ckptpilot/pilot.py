@@ -622,12 +622,15 @@ class CheckpointPilot:
         recovery point).
 
         An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
-        self-contained (see ``storage.archive``)."""
+        self-contained (see ``storage.archive``) — or as safetensors too when ``auto`` found
+        that no tensor pays for a codec at this tier's bandwidth (one hash pass instead of
+        the container's two)."""
         t0 = time.perf_counter()
         codec_for = None
         if request.level == Level.PULSE.value:
             self._pulse_codecs.new_save()
-            codec_for = self._pulse_codecs.codec_for
+            if not self._pulse_codecs.all_raw(snapshot.tensors):
+                codec_for = self._pulse_codecs.codec_for
         staged = stage_organ(self.remote, snapshot, level=request.level,
                              reason=request.reason, retention_class=request.retention_class,
                              score=request.score, codec_for=codec_for)

@@ -57,3 +57,23 @@ def test_auto_choices_are_remembered_until_retry_every_saves(
     sel.codec_for("optimizer/a", torch.randn(8, 512))  # another shape: a new choice
     assert len(calls) == 3
     assert set(sel.choices()) == {"optimizer/a"}
+
+
+def test_all_raw_only_with_current_raw_choices_for_every_tensor() -> None:
+    big = {"model/w": torch.randn(1 << 20), "optimizer/m": torch.randn(1 << 20)}
+    fast = CodecSelector({}, bandwidth_bytes_per_s=2e9, retry_every=2)
+    assert not fast.all_raw(big)  # nothing chosen yet: the first save tries
+    fast.new_save()
+    for name, t in big.items():
+        assert fast.codec_for(name, t)[0].codec_id == "raw"  # no codec encodes at 2 GB/s
+    assert fast.all_raw(big)
+    fast.new_save()
+    fast.new_save()
+    assert not fast.all_raw(big)  # choices older than retry_every: tried again
+    slow = CodecSelector({}, bandwidth_bytes_per_s=1e6)
+    slow.new_save()
+    for name, t in big.items():
+        slow.codec_for(name, t)
+    assert not slow.all_raw(big)  # at 1 MB/s compression pays
+    fixed = CodecSelector({"weights": "zstd"}, bandwidth_bytes_per_s=2e9)
+    assert not fixed.all_raw({"model/w": big["model/w"]})

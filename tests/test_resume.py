@@ -20,9 +20,12 @@ pytestmark = pytest.mark.crash
 
 
 def _config(tmp: Path, organ_every: int = 100) -> Path:
-    """organ_every 100: every save here is a pulse (codec container); 1: every one an organ."""
+    """organ_every 100: every save here is a pulse — a codec container, since the remote tier
+    is declared slow (at 1 MB/s compressing pays even for these tensors; at the default 2 GB/s
+    they would all go raw, and such pulses take the safetensors layout); 1: all organs."""
     cfg = tmp / "policy.yaml"
     cfg.write_text(
+        "tiers: {remote: {bandwidth: 1MB}}\n" +
         # A fixed interval, so the kill points below fall between known saves: the loss
         # signal cannot fire, the others weigh nothing, no Young-Daly cap.
         f"scheduler: {{base_interval: {INTERVAL}, min_interval: 1, max_interval: 500,\n"
@@ -98,6 +101,8 @@ def test_killed_between_and_during_saves_resumes_bit_exactly(
     third = _run(run_dir, cfg, losses, final)
     assert third.returncode == 0, third.stderr
     assert _resumed_from(third) == 30
+    tensors = "tensors.ckpt" if level == "pulse" else "tensors.safetensors"
+    assert (ckpt_dir / "step_00000030_rank_00000" / tensors).exists()
     assert not any(".staging-" in p.name for p in ckpt_dir.iterdir())
 
     # Heartbeats tell how far each dead run got; the ledger records both interruptions.

@@ -8,7 +8,9 @@ decoding dispatches on it) or remember choices between calls.
 
 Cost model, per candidate: ``encode seconds + encoded bytes / bandwidth_bytes_per_s``, or with
 ``overlap=True`` (the container encodes tensor i while tensor i-1 is being written) the larger
-of the two: a codec then pays only if it encodes faster than the tier takes raw bytes. A
+of the two: a codec then pays only if it encodes faster than the tier takes raw bytes; the
+encode is then credited with two cores fewer (the writer hashes and writes, another thread
+hashes the raw bytes, at the same time). A
 tensor whose raw transfer takes under ``MIN_TRIAL_SECONDS`` (1 ms) is sent raw untried: no codec
 could save more than that, and the trials would cost more. A tensor of at most ``sample_bytes``
 is encoded whole by every candidate (best of two timed runs) and the winner's blob is returned
@@ -105,7 +107,10 @@ class AutoCodec(Codec):
         if nbytes < MIN_TRIAL_SECONDS * self.bandwidth_bytes_per_s:
             return get_codec("raw"), None
         whole = nbytes <= self.sample_bytes
-        workers = min(resolve_threads(self.threads), max(1, nbytes // CHUNK_BYTES))
+        cores = resolve_threads(self.threads)
+        if self.overlap:  # the writer's and the hasher's threads take two cores meanwhile
+            cores = max(1, cores - 2)
+        workers = min(cores, max(1, nbytes // CHUNK_BYTES))
         if not whole:
             small, small_base = self._sample(tensor, base, self.sample_bytes // 4)
             sample, sample_base = self._sample(tensor, base, self.sample_bytes)

@@ -9,7 +9,6 @@ or keep state between calls.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -60,24 +59,6 @@ def tensor_from_bytes(raw: np.ndarray, frame: Frame) -> torch.Tensor:
     if raw.size == 0:  # NumPy gives empty arrays stride 0, which torch cannot re-view
         return torch.empty(frame.shape, dtype=frame.dtype)
     return torch.from_numpy(raw).view(frame.dtype).reshape(frame.shape)
-
-
-SCRATCH_MMAP_BYTES = 1 << 20
-
-
-def scratch(n: int, dtype: str | np.dtype[Any]) -> np.ndarray:
-    """An uninitialised array for encoder output that lives only until it is written.
-
-    From ``SCRATCH_MMAP_BYTES`` on it is an anonymous memory map, returned to the system when
-    the array dies. Through malloc, glibc's adaptive mmap threshold would serve such buffers
-    from the heap after the first one is freed, and keep the freed heap: measured, a pulse
-    save of a 100 MB state then left the process ~1 state larger at its peak.
-    """
-    dt = np.dtype(dtype)
-    nbytes = n * dt.itemsize
-    if nbytes < SCRATCH_MMAP_BYTES:
-        return np.empty(n, dt)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dt)
 
 
 def lane(flat: np.ndarray, itemsize: int, lo: int, width: int) -> np.ndarray:

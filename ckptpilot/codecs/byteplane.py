@@ -31,7 +31,6 @@ from ckptpilot.codecs.base import (
     lane,
     parallel_map,
     resolve_threads,
-    scratch,
     tensor_bytes,
     word_runs,
 )
@@ -95,7 +94,7 @@ def encode_planes(
     chunk = max(1, CHUNK_BYTES // itemsize)
     # A lane that is the whole element is already contiguous; the others are gathered into
     # one (huge-page backed) buffer each, chunk by chunk, by the workers.
-    buffers = [None if width == itemsize else scratch(n, f"<u{width}") for _, width, _ in segments]
+    buffers = [None if width == itemsize else np.empty(n, f"<u{width}") for _, width, _ in segments]
 
     def encode_chunk(start: int) -> list[Section]:
         stop = min(n, start + chunk)

@@ -92,6 +92,25 @@ class CodecSelector:
             chosen = known[0]
         return chosen, (base if chosen.codec_id == "xor_delta" else None)
 
+    def all_raw(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True when every tensor would be sent raw by a remembered, still current choice (no
+        base given): the caller may then skip the codecs and write the plain layout."""
+        with self._lock:
+            saves = self._saves
+            for name, tensor in tensors.items():
+                codec = self._codecs[family(name)]
+                if codec.codec_id == "xor_delta":
+                    codec = self._no_base
+                if not isinstance(codec, AutoCodec):
+                    if codec.codec_id != "raw":
+                        return False
+                    continue
+                known = self._chosen.get((name, tensor.dtype, tuple(tensor.shape), False))
+                if (known is None or known[0].codec_id != "raw"
+                        or saves - known[1] >= self._retry_every):
+                    return False
+        return True
+
     def choices(self) -> dict[str, str]:
         """Tensor name -> the codec last chosen for it (for logs and benchmarks)."""
         with self._lock:
