@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +28,17 @@ from ckptpilot.codecs import (
     read_container,
     write_container,
 )
+from ckptpilot.codecs.blob import FORMAT_VERSION
 from ckptpilot.codecs.container import CodecFor
+from ckptpilot.errors import CheckpointFormatError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "codecs"
+BLOB_VERSIONS = (1, 2)  # blob format versions with fixtures; 1: crc32 sections, 2: XXH3-64
+
+
+def fixture(stem: str, version: int, suffix: str) -> Path:
+    """``raw.blob`` for version 1 (written before versions had names), ``raw.v2.blob`` on."""
+    return FIXTURES / (f"{stem}{suffix}" if version == 1 else f"{stem}.v{version}{suffix}")
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -117,18 +127,21 @@ def assert_bit_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("version", BLOB_VERSIONS)
 @pytest.mark.parametrize("name", sorted(golden_cases()))
-def test_golden_blob_decodes_to_the_same_tensor(name: str) -> None:
+def test_golden_blob_decodes_to_the_same_tensor(name: str, version: int) -> None:
     codec, tensor, base = golden_cases()[name]
-    blob = (FIXTURES / f"{name}.blob").read_bytes()
+    blob = fixture(name, version, ".blob").read_bytes()
+    assert blob_info(blob).version == version
     assert blob_info(blob).codec in name or name == "auto"
     assert_bit_equal(codec.decode(blob, base), tensor)
     assert_bit_equal(decode_blob(blob, base), tensor)
 
 
-def test_golden_blobs_cover_the_layouts_they_claim() -> None:
+@pytest.mark.parametrize("version", BLOB_VERSIONS)
+def test_golden_blobs_cover_the_layouts_they_claim(version: int) -> None:
     def params(name: str) -> dict[str, object]:
-        return blob_info((FIXTURES / f"{name}.blob").read_bytes()).params
+        return blob_info(fixture(name, version, ".blob").read_bytes()).params
 
     assert params("byteplane_chunked")["chunk"] == 16
     assert params("prefix_index")["mode"] == "table" and params("prefix_index")["entropy"]
@@ -136,9 +149,10 @@ def test_golden_blobs_cover_the_layouts_they_claim() -> None:
     assert params("prefix_index_fallback")["mode"] == "byteplane"
 
 
-def test_golden_container_reads_back() -> None:
+@pytest.mark.parametrize("version", BLOB_VERSIONS)
+def test_golden_container_reads_back(version: int) -> None:
     state, base = golden_container_state()
-    with (FIXTURES / "container.ckpc").open("rb") as src:
+    with fixture("container", version, ".ckpc").open("rb") as src:
         tensors, meta = read_container(src, base)
     assert meta == GOLDEN_META
     assert list(tensors) == list(state)
@@ -151,7 +165,7 @@ def write_missing_fixtures() -> list[Path]:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     created = []
     for name, (codec, tensor, base) in golden_cases().items():
-        path = FIXTURES / f"{name}.blob"
+        path = fixture(name, FORMAT_VERSION, ".blob")
         if not path.exists():
             chunk = 64 if name == "byteplane_chunked" else byteplane.CHUNK_BYTES
             saved, byteplane.CHUNK_BYTES = byteplane.CHUNK_BYTES, chunk
@@ -160,7 +174,7 @@ def write_missing_fixtures() -> list[Path]:
             finally:
                 byteplane.CHUNK_BYTES = saved
             created.append(path)
-    path = FIXTURES / "container.ckpc"
+    path = fixture("container", FORMAT_VERSION, ".ckpc")
     if not path.exists():
         state, base = golden_container_state()
         buffer = io.BytesIO()
@@ -174,3 +188,20 @@ if __name__ == "__main__":
     written = write_missing_fixtures()
     json.dump([str(p) for p in written], sys.stdout, indent=1)
     print()
+
+
+def test_a_flipped_payload_byte_is_caught_in_either_version() -> None:
+    for version in BLOB_VERSIONS:
+        blob = bytearray(fixture("byteplane", version, ".blob").read_bytes())
+        blob[-5] ^= 0x10
+        with pytest.raises(CheckpointFormatError, match="checksum mismatch in section"):
+            decode_blob(bytes(blob))
+
+
+def test_an_unknown_blob_version_is_refused_by_name() -> None:
+    blob = bytearray(fixture("raw", 2, ".blob").read_bytes())
+    struct.pack_into("<H", blob, 4, 3)
+    head = blob_info(fixture("raw", 2, ".blob").read_bytes()).header_bytes
+    struct.pack_into("<I", blob, head - 4, zlib.crc32(blob[:head - 4]))
+    with pytest.raises(CheckpointFormatError, match="format version 3 is not supported"):
+        decode_blob(bytes(blob))
