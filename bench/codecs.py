@@ -39,8 +39,8 @@ model) likewise; and one tensor per class to a tier whose writes are throttled t
 (``auto`` told so) — an object store or a busy NFS, where compression is meant to pay. The
 first ``auto`` save, which pays the trials, is reported on its own; then medians over
 max(9, ``--repeats``) saves each, interleaved in rotating order. Like the pilot, ``auto``
-writes the plain safetensors layout when every remembered choice is ``raw``. A container is
-read back once and checked bit for bit.
+writes the plain safetensors layout when the codecs would save less transfer time than the
+container's extra hash pass costs. A container is read back once and checked bit for bit.
 
 Usage: ``.venv/bin/python bench/codecs.py [--quick] [--dim 256 --layers 4] [--dir DIR]``
 (``--quick``: the demo-size model, 128 x 2, and fewer warm-up steps).
@@ -313,9 +313,9 @@ def end_to_end(tensors: dict[str, torch.Tensor], step: int, tier: RemoteTier,
         if kind == 0:
             t, staged = save(lambda n, x: (raw, None))
             raw_times.append(t)
-        elif kind == 1:  # as the pilot does: the plain layout when every choice is raw
+        elif kind == 1:  # as the pilot does: the plain layout when the codecs do not pay
             selector.new_save()
-            t, auto_staged = save(None if selector.all_raw(tensors) else selector.codec_for)
+            t, auto_staged = save(None if selector.plain_pays(tensors) else selector.codec_for)
             auto_times.append(t)
         else:
             t, _ = save(None)

@@ -622,14 +622,14 @@ class CheckpointPilot:
         recovery point).
 
         An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
-        self-contained (see ``storage.archive``) — or as safetensors too when ``auto`` found
-        that no tensor pays for a codec at this tier's bandwidth (one hash pass instead of
-        the container's two)."""
+        self-contained (see ``storage.archive``) — or as safetensors too when the codecs would
+        save less transfer time at this tier's bandwidth than the container's extra hash pass
+        costs."""
         t0 = time.perf_counter()
         codec_for = None
         if request.level == Level.PULSE.value:
             self._pulse_codecs.new_save()
-            if not self._pulse_codecs.all_raw(snapshot.tensors):
+            if not self._pulse_codecs.plain_pays(snapshot.tensors):
                 codec_for = self._pulse_codecs.codec_for
         staged = stage_organ(self.remote, snapshot, level=request.level,
                              reason=request.reason, retention_class=request.retention_class,

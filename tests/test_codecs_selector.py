@@ -37,14 +37,14 @@ def test_xor_delta_needs_a_fitting_base_else_auto_decides() -> None:
 def test_auto_choices_are_remembered_until_retry_every_saves(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original = AutoCodec.choose
+    original = AutoCodec.trial
 
     def counting(self: AutoCodec, tensor: torch.Tensor, base: torch.Tensor | None = None
-                 ) -> tuple[object, object]:
-        calls.append("choose")
+                 ) -> tuple[object, object, float]:
+        calls.append("trial")
         return original(self, tensor, base)
 
-    monkeypatch.setattr(AutoCodec, "choose", counting)
+    monkeypatch.setattr(AutoCodec, "trial", counting)
     sel = CodecSelector({}, bandwidth_bytes_per_s=1e6, retry_every=3)
     t = torch.randn(4096)
     for _ in range(3):
@@ -59,21 +59,22 @@ def test_auto_choices_are_remembered_until_retry_every_saves(
     assert set(sel.choices()) == {"optimizer/a"}
 
 
-def test_all_raw_only_with_current_raw_choices_for_every_tensor() -> None:
+def test_the_plain_layout_only_when_the_codecs_do_not_pay_for_the_container() -> None:
     big = {"model/w": torch.randn(1 << 20), "optimizer/m": torch.randn(1 << 20)}
     fast = CodecSelector({}, bandwidth_bytes_per_s=2e9, retry_every=2)
-    assert not fast.all_raw(big)  # nothing chosen yet: the first save tries
+    assert not fast.plain_pays(big)  # nothing chosen yet: the first save tries
     fast.new_save()
     for name, t in big.items():
-        assert fast.codec_for(name, t)[0].codec_id == "raw"  # no codec encodes at 2 GB/s
-    assert fast.all_raw(big)
+        fast.codec_for(name, t)
+    # At 2 GB/s the ~15 % a codec saves on these floats is worth less than hashing 8 MB.
+    assert fast.plain_pays(big)
     fast.new_save()
     fast.new_save()
-    assert not fast.all_raw(big)  # choices older than retry_every: tried again
+    assert not fast.plain_pays(big)  # choices older than retry_every: tried again
     slow = CodecSelector({}, bandwidth_bytes_per_s=1e6)
     slow.new_save()
     for name, t in big.items():
-        slow.codec_for(name, t)
-    assert not slow.all_raw(big)  # at 1 MB/s compression pays
+        assert slow.codec_for(name, t)[0].codec_id != "raw"
+    assert not slow.plain_pays(big)  # at 1 MB/s compression pays
     fixed = CodecSelector({"weights": "zstd"}, bandwidth_bytes_per_s=2e9)
-    assert not fixed.all_raw({"model/w": big["model/w"]})
+    assert not fixed.plain_pays({"model/w": big["model/w"]})

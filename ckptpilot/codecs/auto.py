@@ -103,9 +103,16 @@ class AutoCodec(Codec):
         self, tensor: torch.Tensor, base: torch.Tensor | None = None
     ) -> tuple[Codec, list[Buffer] | None]:
         """The cheapest codec, and its blob when the trial already encoded the whole tensor."""
+        codec, parts, _ = self.trial(tensor, base)
+        return codec, parts
+
+    def trial(
+        self, tensor: torch.Tensor, base: torch.Tensor | None = None
+    ) -> tuple[Codec, list[Buffer] | None, float]:
+        """``choose``, plus the encoded size the winner is expected to reach (bytes)."""
         nbytes = tensor.numel() * tensor.dtype.itemsize
         if nbytes < MIN_TRIAL_SECONDS * self.bandwidth_bytes_per_s:
-            return get_codec("raw"), None
+            return get_codec("raw"), None, float(nbytes)
         whole = nbytes <= self.sample_bytes
         cores = resolve_threads(self.threads)
         if self.overlap:  # the writer's and the hasher's threads take two cores meanwhile
@@ -129,9 +136,9 @@ class AutoCodec(Codec):
                 size = _size(parts) * nbytes / _nbytes(sample)
             transfer_s = size / self.bandwidth_bytes_per_s
             cost = max(encode_s, transfer_s) if self.overlap else encode_s + transfer_s
-            trials.append((cost, codec, parts))
-        _, codec, parts = min(trials, key=lambda trial: trial[0])
-        return codec, parts if whole else None
+            trials.append((cost, codec, parts, size))
+        _, codec, parts, size = min(trials, key=lambda trial: trial[0])
+        return codec, parts if whole else None, float(size)
 
     def encode_parts(self, tensor: torch.Tensor, base: torch.Tensor | None = None) -> list[Buffer]:
         codec, parts = self.choose(tensor, base)

@@ -29,6 +29,7 @@ from ckptpilot.codecs.base import Codec
 from ckptpilot.codecs.registry import get_codec
 
 FAMILIES = ("weights", "optimizer", "other")
+HASH_BYTES_PER_S = 1.9e9
 
 
 def family(name: str) -> str:
@@ -62,7 +63,10 @@ class CodecSelector:
                                   prefix_bits=prefix_bits, overlap=True, **entropy)
         self._retry_every = retry_every
         self._saves = 0
-        self._chosen: dict[tuple[str, torch.dtype, tuple[int, ...], bool], tuple[Codec, int]] = {}
+        self._bandwidth = bandwidth_bytes_per_s
+        # (name, dtype, shape, has base) -> (codec, save it was chosen at, expected bytes)
+        self._chosen: dict[tuple[str, torch.dtype, tuple[int, ...], bool],
+                           tuple[Codec, int, float]] = {}
         self._lock = threading.Lock()
 
     def new_save(self) -> None:
@@ -85,19 +89,26 @@ class CodecSelector:
             known = self._chosen.get(key)
             saves = self._saves
         if known is None or saves - known[1] >= self._retry_every:
-            chosen, _ = codec.choose(tensor, base if fits else None)
+            chosen, _, size = codec.trial(tensor, base if fits else None)
             with self._lock:
-                self._chosen[key] = (chosen, saves)
+                self._chosen[key] = (chosen, saves, size)
         else:
             chosen = known[0]
         return chosen, (base if chosen.codec_id == "xor_delta" else None)
 
-    def all_raw(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """True when every tensor would be sent raw by a remembered, still current choice (no
-        base given): the caller may then skip the codecs and write the plain layout."""
+    def plain_pays(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True when writing these tensors as they are beats the container: every tensor has
+        a remembered, current choice (no base given), and the transfer time the codecs would
+        save is less than the container's extra pass (it hashes each raw tensor on top of the
+        file; measured ~1.9 GB/s per core here, ``HASH_BYTES_PER_S``). A codec that merely
+        breaks even per tensor does not pay for that pass."""
+        saved = 0.0
+        total = 0
         with self._lock:
             saves = self._saves
             for name, tensor in tensors.items():
+                nbytes = tensor.numel() * tensor.element_size()
+                total += nbytes
                 codec = self._codecs[family(name)]
                 if codec.codec_id == "xor_delta":
                     codec = self._no_base
@@ -106,15 +117,15 @@ class CodecSelector:
                         return False
                     continue
                 known = self._chosen.get((name, tensor.dtype, tuple(tensor.shape), False))
-                if (known is None or known[0].codec_id != "raw"
-                        or saves - known[1] >= self._retry_every):
+                if known is None or saves - known[1] >= self._retry_every:
                     return False
-        return True
+                saved += max(0.0, nbytes - known[2])
+        return saved / self._bandwidth < total / HASH_BYTES_PER_S
 
     def choices(self) -> dict[str, str]:
         """Tensor name -> the codec last chosen for it (for logs and benchmarks)."""
         with self._lock:
-            return {key[0]: codec.codec_id for key, (codec, _) in self._chosen.items()}
+            return {key[0]: codec.codec_id for key, (codec, _, _) in self._chosen.items()}
 
 
 def _build(name: str, *, prefix_bits: int, level: int, threads: int) -> Codec:
