@@ -56,8 +56,8 @@ from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import (
     CheckpointFormatError,
     CheckpointWriteError,
+    CkptPilotError,
     NoCheckpointError,
-    StateError,
 )
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
@@ -86,7 +86,7 @@ from ckptpilot.storage.archive import (
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
 from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
-from ckptpilot.tiers.peer import PeerFetchResult, PeerTier, PeerUnavailable
+from ckptpilot.tiers.peer import PeerFetchResult, PeerTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.validation.recovery import Candidate, plan_recovery
@@ -156,6 +156,9 @@ class _SaveRequest:
 
 
 RECOVER_PIN = "recover.json"
+# What a misbehaving peer tier can raise: never a reason to fail a save or a restore that
+# another tier can serve (a daemon of another version, a garbled reply, a dead socket).
+_PEER_ERRORS = (CkptPilotError, OSError, ValueError, KeyError, TypeError)
 PEER_FORMAT = "ckptpilot-peer-image-1"
 MAX_RECOVERY_WALK = 5
 
@@ -575,10 +578,19 @@ class CheckpointPilot:
             "state": snapshot.meta,
         }, separators=(",", ":")).encode()
         base = None
-        held = self.memory.newest() if self.memory is not None else None
-        if (held is not None and held.step == self._peer_step and held.snapshot.arena is not None
-                and held.snapshot.layout == snapshot.layout):
-            base = (held.step, held.snapshot.arena.numpy())
+        held = (self.memory.base_for(self._peer_step, snapshot.layout)
+                if self.memory is not None else None)
+        if held is not None and held.arena is not None:
+            base = (held.step, held.arena.numpy())
+        try:
+            return self._put_to_peers(snapshot, request, stall, t0, meta, base)
+        finally:
+            if self.memory is not None:
+                self.memory.unpin()
+
+    def _put_to_peers(self, snapshot: Snapshot, request: _SaveRequest, stall: float, t0: float,
+                      meta: bytes, base: tuple[int, Any] | None) -> SaveRecord | None:
+        assert self.peers is not None and snapshot.arena is not None
         key = (self.run_id, snapshot.step, self.rank, "peer")
         self._retire_existing(key, None)
         metric_name, metric_value = request.metric or (None, None)
@@ -591,13 +603,18 @@ class CheckpointPilot:
             reason=request.reason)
         try:
             result = self.peers.put(snapshot.step, snapshot.arena.numpy(), meta, base=base)
-        except PeerUnavailable as e:
-            self.store.mark(key, Status.CORRUPTED, note=f"peer put failed: {e}")
+        except _PEER_ERRORS as e:
+            self.store.mark(key, Status.CORRUPTED, note=f"peer put failed: {e}"[:2000])
             log.warning("the peer tier could not take the %s of step %d (%s)%s", request.level,
                         snapshot.step, e, "; writing it to the remote tier instead"
                         if request.level == Level.PULSE.value else "")
             return None
         self._peer_step = snapshot.step
+        for row in self.store.rows(self.run_id, rank=self.rank, tier="peer"):
+            if row.step < snapshot.step and row.status is Status.VALID:
+                # The peers dropped it on this commit: they keep one state per run.
+                self.store.mark(row.key, Status.EXPIRED,
+                                note=f"superseded on the peers by step {snapshot.step}")
         location = f"peer:{self.peers.run_id}/{snapshot.step}@{','.join(result.endpoints)}"
         self.store.mark(key, Status.VALID, location=location, bytes_encoded=result.bytes_sent,
                         codec="xor_delta" if result.delta_shards else "raw",
@@ -726,22 +743,21 @@ class CheckpointPilot:
             self._consume_pin(pin, held.step, forced)
             return held.step
         newest_remote = plan.attempts[0].step if plan.attempts else -1
-        target = self._peer_target(step, newest_remote) if not forced else None
-        if target is not None:
+        for target in self._peer_targets(step, newest_remote) if not forced else []:
             assert self.peers is not None
             where = f"peer:{self.peers.run_id}/{target}"
             try:
                 self._restore_from_peer(self.peers.fetch(target), target, t0, skipped)
-            except (PeerUnavailable, CheckpointFormatError, StateError) as e:
+            except (*_PEER_ERRORS, RuntimeError) as e:
                 log.warning("cannot restore step %d from the peer tier: %s", target, e)
                 skipped.append(SkippedCheckpoint(where, str(e)))
                 row = self.store.get((self.run_id, target, self.rank, "peer"))
-                if row is not None and row.status is Status.VALID:
+                if row is not None and row.status in (Status.VALID, Status.PENDING):
                     self.store.mark(row.key, Status.CORRUPTED,
                                     note=f"failed on restore: {e}"[:2000])
-            else:
-                self._consume_pin(pin, target, forced)
-                return target
+                continue
+            self._consume_pin(pin, target, forced)
+            return target
         if step is not None and not plan.attempts:
             raise NoCheckpointError(
                 f"no usable checkpoint of step {step} for rank {self.rank} in "
@@ -772,26 +788,26 @@ class CheckpointPilot:
         self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
 
-    def _peer_target(self, step: int | None, newest_remote: int) -> int | None:
-        """The checkpoint to fetch from the peers: the pinned ``step`` if they hold it, else
-        the newest valid peer row (or, with no metadata, the newest the peers hold) when it is
-        at least as new as the newest remote candidate."""
+    def _peer_targets(self, step: int | None, newest_remote: int) -> list[int]:
+        """Peer checkpoints to try, newest first: ``step`` if it is a valid peer row, else
+        the valid peer rows (or, with no metadata, what the peers hold) at least as new as
+        the newest remote candidate. The peers keep one state per run, so this is normally
+        one checkpoint."""
         if self.peers is None:
-            return None
-        rows = [r for r in self.store.rows(self.run_id, rank=self.rank, tier="peer")
-                if r.status is Status.VALID]
+            return []
+        rows = self.store.rows(self.run_id, rank=self.rank, tier="peer")
         if rows:
-            steps = {r.step for r in rows}
+            steps = {r.step for r in rows if r.status is Status.VALID}
         else:
             try:
                 steps = set(self.peers.list())
-            except (PeerUnavailable, OSError) as e:
+            except _PEER_ERRORS as e:
                 log.warning("cannot list the peer tier: %s", e)
-                return None
+                return []
         if step is not None:
-            return step if step in steps else None
-        newest = max(steps, default=None)
-        return newest if newest is not None and newest >= newest_remote else None
+            return [step] if step in steps else []
+        newer = sorted((s for s in steps if s >= newest_remote), reverse=True)
+        return newer[:MAX_RECOVERY_WALK]
 
     def _restore_from_peer(self, fetched: PeerFetchResult, step: int, t0: float,
                            skipped: list[SkippedCheckpoint]) -> None:
@@ -902,6 +918,14 @@ class CheckpointPilot:
     def _after_restore(self, step: int, level: Level | None) -> None:
         if self.memory is not None:
             self.memory.drop_after(step)
+        for row in self.store.rows(self.run_id, rank=self.rank):
+            # Restoring an earlier step abandons the continuation saved after it (in any
+            # tier); expiring its rows keeps a later restore, after a crash, from going back
+            # to it. (Re-saving one of those steps would set its files aside anyway.)
+            if row.step > step and row.status in (Status.VALID, Status.PENDING):
+                target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
+                self.store.mark(row.key, target,
+                                note=f"abandoned: the run was restored to step {step}")
         self.step = self._base_step = step
         self._optimizer_steps = 0
         self._last_save_step = step

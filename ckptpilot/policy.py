@@ -282,7 +282,6 @@ class PeerTierPolicy(_Section):
     lease_seconds: float = Field(600.0, gt=0)
     timeout_seconds: float = Field(10.0, gt=0)
     probe_interval: float = Field(1.0, gt=0)
-    bandwidth: _ByteSize = 10**9
     registry: _Endpoint | None = None
     deltas: Literal["auto", "always", "never"] = "auto"
 

@@ -156,6 +156,13 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
                 target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
                 store.mark(row.key, target, location=run.remote.path(aside),
                            note=f"abandoned by `ckptpilot recover --step {step}`")
+        for row in store.rows(run.run_id, tier="peer"):
+            # Peer copies of the abandoned continuation: their rows are what makes a restore
+            # consider them, and the peers drop them as newer saves supersede them.
+            if row.step > step and row.status in (Status.VALID, Status.PENDING):
+                target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
+                store.mark(row.key, target, note=f"abandoned by `ckptpilot recover --step {step}`")
+                abandoned.append(row.location)
         if force:
             (run.dir / RECOVER_PIN).write_text(json.dumps({"step": step, "force": True}))
         store.audit("recover-force" if force else "recover",

@@ -106,7 +106,7 @@ class HostBufferPool:
         if snapshot.arena is None:
             return
         with self._lock:
-            if len(self._sets) < self._max_sets:
+            if len(self._sets) < self._max_sets and all(s is not snapshot for s in self._sets):
                 self._sets.append(snapshot)
 
 
@@ -178,6 +178,8 @@ def arena_views(arena: torch.Tensor,
     """The tensors of ``layout`` as views of ``arena`` (a uint8 buffer in arena order)."""
     views, offset = {}, 0
     for name, dtype, shape in layout:
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise StateError(f"{name}: bad shape {list(shape)!r} in the layout")
         n = math.prod(shape) * dtype.itemsize
         if offset + n > arena.numel():
             raise StateError(f"{name}: the arena ends at byte {arena.numel()}, the layout "

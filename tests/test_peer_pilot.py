@@ -231,3 +231,45 @@ def test_thirty_pulses_fold_on_the_peers_and_restore_reads_one_state(
     for k, v in fresh.state_dict().items():
         assert torch.equal(v.view(torch.uint8), expected[k].view(torch.uint8)), k
     again.close()
+
+
+def test_a_restore_to_an_earlier_step_never_comes_back_to_the_abandoned_peer_states(
+        tmp_path: Path, cluster: list[Daemon]) -> None:
+    """Saves 1-6, every third an organ (peers + remote); the peers keep only the newest.
+    Rolling back to step 3 in process expires everything after it: a later restore (as
+    after a crash) loads step 3, not the step 6 the peers still hold."""
+    cfg = tmp_path / "policy.yaml"
+    config(tmp_path, cluster, organ_every=3)
+    cfg.write_text(cfg.read_text().replace("base_interval: 10", "base_interval: 1"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pilot = CheckpointPilot(cfg, model=model, optimizer=opt, run_dir=tmp_path / "run")
+    x = torch.randn(8, 32)
+    at = {}
+    for step in range(1, 7):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        pilot.observe()
+        pilot.flush()
+        at[step] = model.weight.detach().clone()
+    with sqlite3.connect(tmp_path / "run" / "metadata.sqlite") as db:
+        valid = db.execute("select step from checkpoints where tier = 'peer' and "
+                           "status = 'valid'").fetchall()
+    assert valid == [(6,)], "the peers hold one state per run; older peer rows expire"
+    assert pilot.restore(step=3) == 3
+    assert pilot.last_recovery is not None
+    assert pilot.last_recovery.source is RecoverySource.REMOTE  # the organ of step 3
+    pilot.close()
+    with sqlite3.connect(tmp_path / "run" / "metadata.sqlite") as db:
+        later = db.execute("select step, tier, status from checkpoints where step > 3 and "
+                           "status = 'valid'").fetchall()
+    assert later == []
+    fresh = torch.nn.Linear(32, 32)
+    again = CheckpointPilot(cfg, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(),
+                                                                        lr=0.1),
+                            run_dir=tmp_path / "run")
+    assert again.restore() == 3, "the peers still hold step 6, which the run abandoned"
+    assert torch.equal(fresh.weight.detach().view(torch.int32), at[3].view(torch.int32))
+    again.close()

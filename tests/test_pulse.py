@@ -9,8 +9,11 @@ import torch
 
 from ckptpilot import CheckpointPilot, RecoverySource
 from ckptpilot.codecs import read_index
+from ckptpilot.state import HostBufferPool, Snapshot
 from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore
+from ckptpilot.tiers.memory import MemoryTier
+from ckptpilot.tiers.remote import RemoteTier
 
 
 def policy_file(tmp_path: Path, *, memory: bool = True, memory_max: str = "1GiB",
@@ -159,3 +162,49 @@ def test_weights_with_a_fixed_codec_and_no_memory_tier(tmp_path: Path) -> None:
     assert {c for n, c in codecs.items() if n.startswith("model/")} == {"zstd"}
     # At 2 GB/s, tensors this small (< 2 MB) are not worth a trial: auto sends them raw.
     assert {c for n, c in codecs.items() if not n.startswith("model/")} == {"raw"}
+
+
+def test_saves_over_max_bytes_under_back_pressure_stay_intact(tmp_path: Path) -> None:
+    """Every save refused by the memory tier, two in flight: each published checkpoint still
+    holds exactly its own step's weights (a buffer set handed out twice would mix them)."""
+    cfg, run_dir = policy_file(tmp_path, memory_max="1KiB", bandwidth="2GB"), tmp_path / "run"
+    job = Job(cfg, run_dir)
+    expected = {}
+    for step in range(1, 9):
+        job.step()
+        expected[step] = job.model[0].weight.detach().clone()
+    job.pilot.close()
+    tier = RemoteTier(str(run_dir / "checkpoints"))
+    for step, weight in expected.items():
+        loaded = archive.read_organ(tier, archive.checkpoint_name(step, 0))
+        got = loaded.tensor("model/0.weight")
+        assert torch.equal(got.view(torch.int32), weight.view(torch.int32)), step
+
+
+def test_memory_tier_pins_the_base_and_drops_a_stale_entry() -> None:
+    def snap(step: int, n: int = 4) -> Snapshot:
+        arena = torch.zeros(n * 4, dtype=torch.uint8)
+        return Snapshot(step=step, tensors={"model/w": arena.view(torch.float32)}, meta={},
+                        arena=arena)
+
+    pool = HostBufferPool(2)
+    tier = MemoryTier(1024, pool, max_sets=2)
+    assert tier.take() is None and tier.take() is None  # two sets may be allocated
+    first = snap(1)
+    assert tier.hold(first, "pulse")
+    base = tier.base_for(1, first.layout)
+    assert base is first and tier.base_for(2, first.layout) is None
+    assert tier.take() is None, "a pinned base is never handed to a capture"
+    tier.unpin()
+    assert tier.take() is first  # at max_sets, unpinned: the held set is reused
+    assert tier.newest() is None
+    second = snap(2)
+    assert tier.hold(second, "pulse")
+    big = Snapshot(step=3, tensors={"model/w": torch.zeros(1024)}, meta={},
+                   arena=torch.zeros(4096, dtype=torch.uint8))
+    assert not tier.hold(big, "pulse")  # over max_bytes: not kept...
+    assert tier.newest() is None  # ...and the older entry is not the newest any more
+    assert pool.take() is second and pool.take() is None  # its buffers went back
+    pool.give_back(first)
+    pool.give_back(first)
+    assert pool.take() is first and pool.take() is None  # given back twice, held once

@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from ckptpilot.codecs.container import CodecFor, ContainerIndex, read_container, write_container
+from ckptpilot.codecs.container import (
+    CodecFor,
+    ContainerIndex,
+    read_container,
+    read_index,
+    write_container,
+)
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 from ckptpilot.state import Snapshot
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
@@ -170,6 +176,15 @@ def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryv
             yield view[start:start + _CHUNK_BYTES]
 
 
+def _tensors_digest(index: ContainerIndex) -> str:
+    """SHA256 over the container index's per-tensor SHA256s (names, order) and its meta's."""
+    h = hashlib.sha256()
+    for entry in index.tensors:
+        h.update(f"{entry.name}\0{entry.sha256}\n".encode())
+    h.update(index.meta_sha256.encode())
+    return h.hexdigest()
+
+
 def _manifest_digest(manifest: Mapping[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k != "self_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -230,7 +245,8 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     else:
         with tier.open_write(f"{staging}/{CONTAINER_FILE}") as out:
             index = write_container(out, snapshot.tensors, {"step": snapshot.step}, codec_for)
-        files[CONTAINER_FILE] = {"bytes": out.size, "sha256": out.sha256}
+        files[CONTAINER_FILE] = {"bytes": out.size, "sha256": out.sha256,
+                                 "tensors_digest": _tensors_digest(index)}
     state_raw = json.dumps(meta, separators=(",", ":")).encode()
     size, sha = tier.write_file(f"{staging}/{STATE_FILE}", [state_raw])
     files[STATE_FILE] = {"bytes": size, "sha256": sha}
@@ -329,6 +345,13 @@ def read_organ(tier: RemoteTier, name: str) -> LoadedArchive:
         where = tier.path(rel)
         with tier.open_read(rel) as f:
             try:
+                # The file is not hashed again here: its blobs' checksums and every tensor's
+                # SHA256 are checked while decoding, and this digest of those SHA256s ties the
+                # container to the manifest (a container swapped in from elsewhere fails).
+                digest = _tensors_digest(read_index(f))
+                if digest != files[CONTAINER_FILE].get("tensors_digest"):
+                    raise IntegrityError(where, str(files[CONTAINER_FILE].get("tensors_digest")),
+                                         digest)
                 tensors, _ = read_container(f)
             except CheckpointFormatError as e:
                 raise CheckpointFormatError(f"{where}: {e}") from e

@@ -10,7 +10,9 @@ the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps. A c
 allocates a new set only while fewer than ``max_pending`` exist, so with saves that finish
 before the next one starts the tier keeps the previous snapshot — the base of the peer tier's
 deltas — while the next is captured into a second set; under back-pressure (a capture while
-every other set is in flight) it gives the held one up and the next peer put is full.
+every other set is in flight) it gives the held one up and the next peer put is full. While
+the writer XORs against the held snapshot it is pinned: a capture then allocates one set
+beyond ``max_pending`` instead of overwriting it.
 
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
 
@@ -45,30 +47,47 @@ class MemoryTier:
         self._max_sets = max_sets
         self._sets = 0  # buffer sets the captures were told to allocate
         self._entry: MemoryEntry | None = None
+        self._pinned = False
         self._lock = threading.Lock()
 
     def hold(self, snapshot: Snapshot, level: str) -> bool:
-        """Keep ``snapshot`` (which the caller gives up) as the newest; False when it is over
-        ``max_bytes`` (then its buffers go back to the pool and the tier keeps what it had).
-        An older snapshot than the one held is returned to the pool too."""
+        """Keep ``snapshot`` as the newest; the snapshot it replaces goes back to the pool.
+        False when it is not kept — then the caller still owns its buffers. A snapshot over
+        ``max_bytes`` is not kept, and the older one held is dropped too: the tier must never
+        offer a checkpoint older than the newest saved one as the newest."""
         with self._lock:
             held = self._entry
-            if snapshot.nbytes > self.max_bytes or (held is not None
-                                                    and held.snapshot.step > snapshot.step):
-                self._pool.give_back(snapshot)
+            if held is not None and held.snapshot.step > snapshot.step:
                 return False
-            self._entry = MemoryEntry(snapshot, level)
+            kept = snapshot.nbytes <= self.max_bytes
+            self._entry = MemoryEntry(snapshot, level) if kept else None
         if held is not None:
             self._pool.give_back(held.snapshot)
-        return True
+        return kept
+
+    def base_for(self, step: int | None, layout: object) -> Snapshot | None:
+        """The held snapshot if it is of ``step`` with ``layout``, pinned until ``unpin``: a
+        capture meanwhile allocates rather than overwrite it (the writer is reading it)."""
+        with self._lock:
+            held = self._entry
+            if held is None or held.step != step or held.snapshot.layout != layout:
+                return None
+            self._pinned = True
+            return held.snapshot
+
+    def unpin(self) -> None:
+        with self._lock:
+            self._pinned = False
 
     def take(self) -> Snapshot | None:
         """Buffers for the next capture: a free pool set; else None (allocate) while fewer
-        than ``max_sets`` sets exist; else the ones held here."""
+        than ``max_sets`` sets exist or the held set is pinned; else the ones held here."""
         reuse = self._pool.take()
         if reuse is not None:
             return reuse
         with self._lock:
+            if self._pinned:
+                return None  # one set over max_sets until the base is released
             if self._sets < self._max_sets or self._entry is None:
                 self._sets += 1
                 return None

@@ -640,12 +640,21 @@ class PeerTier:
 
     def _renew_loop(self) -> None:
         header = {"run_id": self.run_id, "lease_seconds": self.lease_seconds}
+        def renew(endpoint: str) -> None:
+            if self._closed.is_set():
+                return
+            try:
+                call(endpoint, Op.RENEW, header, timeout_seconds=self.timeout_seconds)
+            except _REQUEST_ERRORS as e:
+                log.debug("lease renewal on %s failed: %s", endpoint, _reason(e))
+
+        # In parallel, so that unreachable peers cost one timeout, not one each, and close()
+        # never waits behind a row of them.
         while not self._closed.wait(self.lease_seconds / 3):
-            for endpoint in self.endpoints:
-                try:
-                    call(endpoint, Op.RENEW, header, timeout_seconds=self.timeout_seconds)
-                except _REQUEST_ERRORS as e:
-                    log.debug("lease renewal on %s failed: %s", endpoint, _reason(e))
+            try:
+                list(self._pool.map(renew, self.endpoints))
+            except RuntimeError:  # the pool was shut down by close() meanwhile
+                return
 
     def list(self) -> list[int]:
         """Checkpoint ids of this run that the peers can return, oldest first."""
