@@ -81,6 +81,24 @@ def peer_holders(run_dir: Path, step: int) -> list[str]:
     return location.rsplit("@", 1)[1].split(",")
 
 
+def mlp(width: int, seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Tanh(),
+                               torch.nn.Linear(4 * width, width))
+
+
+def restored_into_fresh(cfg: Path, run_dir: Path, width: int, expected_step: int,
+                        expected: dict[str, torch.Tensor]) -> CheckpointPilot:
+    """A new process's view: a fresh model restored from the run, compared bit for bit."""
+    fresh = mlp(width, seed=1)
+    again = CheckpointPilot(cfg, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()),
+                            run_dir=run_dir)
+    assert again.restore() == expected_step
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.view(torch.uint8), expected[k].view(torch.uint8)), k
+    return again
+
+
 def losses_of(path: Path) -> dict[int, str]:
     return {int(s): v for s, v in (line.split() for line in path.read_text().splitlines())}
 
@@ -149,9 +167,7 @@ def test_killed_training_resumes_from_the_peers(
 
 def test_a_corrupted_shard_is_rebuilt_on_restore(tmp_path: Path, cluster: list[Daemon]) -> None:
     cfg = config(tmp_path, cluster, organ_every=100)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
-                                torch.nn.Linear(256, 64))
+    model = mlp(64, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pilot = CheckpointPilot(cfg, model=model, optimizer=opt, run_dir=tmp_path / "run")
     x = torch.randn(32, 64)
@@ -166,17 +182,10 @@ def test_a_corrupted_shard_is_rebuilt_on_restore(tmp_path: Path, cluster: list[D
     call(holders[0], Op.CORRUPT, {"run_id": pilot.peers.run_id if pilot.peers else "",
                                   "ckpt_id": 10, "shard_index": 0}, timeout_seconds=5)
 
-    torch.manual_seed(1)
-    fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
-                                torch.nn.Linear(256, 64))
-    again = CheckpointPilot(cfg, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()),
-                            run_dir=tmp_path / "run")
-    assert again.restore() == 10
+    again = restored_into_fresh(cfg, tmp_path / "run", 64, 10, expected)
     rec = again.last_recovery
     assert rec is not None and rec.source is RecoverySource.PEER
     assert rec.location is not None and "shard 0 rebuilt from parity" in rec.location
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v.view(torch.uint8), expected[k].view(torch.uint8)), k
     again.close()
 
 
@@ -187,9 +196,7 @@ def test_thirty_pulses_fold_on_the_peers_and_restore_reads_one_state(
     cfg = tmp_path / "policy.yaml"
     config(tmp_path, cluster, organ_every=1000)
     cfg.write_text(cfg.read_text().replace("base_interval: 10", "base_interval: 1"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.Tanh(),
-                                torch.nn.Linear(512, 128))
+    model = mlp(128, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pilot = CheckpointPilot(cfg, model=model, optimizer=opt, run_dir=tmp_path / "run")
     x = torch.randn(64, 128)
@@ -219,17 +226,10 @@ def test_thirty_pulses_fold_on_the_peers_and_restore_reads_one_state(
     assert len(deltas) >= 27, [r.bytes for r in pilot.saves]
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
-    torch.manual_seed(1)
-    fresh = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.Tanh(),
-                                torch.nn.Linear(512, 128))
-    again = CheckpointPilot(cfg, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()),
-                            run_dir=tmp_path / "run")
-    assert again.restore() == 30
+    again = restored_into_fresh(cfg, tmp_path / "run", 128, 30, expected)
     rec = again.last_recovery
     assert rec is not None and rec.source is RecoverySource.PEER
     assert state_bytes <= rec.bytes_read <= state_bytes + 3 * 8  # one state (shard padding)
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v.view(torch.uint8), expected[k].view(torch.uint8)), k
     again.close()
 
 
