@@ -566,6 +566,8 @@ class CheckpointPilot:
         snapshot when the peers hold that one. Validation is the SHA256 chain: every shard's
         digest, computed before sending, is checked by its peer on receipt and after each
         fold, and again by the client on fetch; the layout comes from the live state itself.
+        Folds run after the put returns, so the row is valid before they finish: a fold that
+        fails makes this checkpoint unfetchable and recovery falls back to the next tier.
         None when the peers could not take it."""
         assert self.peers is not None and snapshot.arena is not None
         t0 = time.perf_counter()
