@@ -14,6 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 LISTENING = "ckptpilot peer listening on "
 
 
+def terminate(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM (SIGKILL after 10 s); closes its stdout; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode
+
+
 class Daemon:
     """One daemon process; ``restart`` brings it back empty on the same port."""
 
@@ -58,18 +72,7 @@ class Daemon:
             self.proc.wait()
 
     def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+        return None if self.proc is None else terminate(self.proc)
 
 
 def start(daemons: list[Daemon]) -> list[Daemon]:
@@ -132,13 +135,4 @@ class Registry:
         self.address = line.strip()[len(REGISTRY_LISTENING):]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+        return terminate(self.proc)
