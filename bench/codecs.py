@@ -19,7 +19,12 @@ megabytes, not on the model's many small tensors. Per class and codec:
   the XOR baseline) encode the snapshot at s+k against the snapshot at s (columns Δ1, Δ25,
   Δ100); the others encode the snapshot at s+25 (one value, in the Δ25 column);
 - encode and decode MB/s per core: codecs built with ``threads=1``, best of ``--repeats``
-  timed runs on the s+25 snapshot (against s for delta codecs); MB = 1e6 raw bytes;
+  timed runs on the s+25 snapshot (against s for delta codecs); MB = 1e6 raw bytes. Encode
+  is ``encode_parts`` (the blob as buffers, what the container writer streams); column
+  "encode() joined" is ``encode``, which also copies the parts into one ``bytes``;
+- ``byteplane@100MB/s`` and ``xor_delta@100MB/s``: the codecs as ``auto`` and the pulse writer
+  build them for a 100 MB/s tier (``min_plane_ratio = paying_plane_ratio(100e6)``, ~1.09:
+  the mantissa-like planes of deltas are coded too; the default, 1.2, leaves them raw);
 - baselines in the same run, on the same bytes: zstd level 3 on the raw bytes
   (``zstd-3``), byte-shuffle + zstd-3 (NumPy view ``(n, itemsize)``, ``.T`` copy, then
   zstd-3) and, for the delta columns, the same byte shuffle of the XOR delta
@@ -73,6 +78,7 @@ from ckptpilot.codecs import (
     read_container,
     write_container,
 )
+from ckptpilot.codecs.byteplane import paying_plane_ratio
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.demo import CONTEXT, CharTransformer, DemoJob, stdlib_text
 from ckptpilot.sampler import ResumableSampler
@@ -81,9 +87,11 @@ from ckptpilot.storage.archive import StagedArchive, stage_organ
 from ckptpilot.tiers.remote import HashingWriter, RemoteTier
 
 DELTAS = (1, 25, 100)
-CODECS = ("raw", "zstd", "byteplane", "xor_delta", "prefix_index", "auto")
+CODECS = ("raw", "zstd", "byteplane", "xor_delta", "prefix_index", "auto", "byteplane@100MB/s",
+          "xor_delta@100MB/s")
+SLOW_TIER = 100e6  # the "@100MB/s" variants code the planes that pay at this bandwidth
 BASELINES = ("zstd-3", "shuffle+zstd-3", "xor+shuffle+zstd-3")
-DELTA_METHODS = {"xor_delta", "auto", "xor+shuffle+zstd-3"}
+DELTA_METHODS = {"xor_delta", "xor_delta@100MB/s", "auto", "xor+shuffle+zstd-3"}
 FROZEN_FRACTION = 0.9
 # Goals of issue 5 (ratios measured there on a 7.3 M-parameter transformer).
 GOAL_RATIOS = {"weights": ("xor_delta", 1.35), "exp_avg": ("byteplane", 1.17),
@@ -176,6 +184,7 @@ class Row:
     ratios: dict[int, float] = field(default_factory=dict)
     encode_mbs: float = 0.0
     decode_mbs: float = 0.0
+    joined_mbs: float | None = None
     note: str = ""
 
 
@@ -214,10 +223,13 @@ def measure_class(cls: str, series: dict[int, torch.Tensor], s: int, repeats: in
         delta = method in DELTA_METHODS
         row = Row(cls, method)
         if method in CODECS:
+            name, _, tier = method.partition("@")
             params: dict[str, object] = {} if method == "raw" else {"threads": 1}
             if method == "auto":
                 params["bandwidth_bytes_per_s"] = auto_bw
-            codec = get_codec(method, **params)
+            if tier:
+                params["min_plane_ratio"] = paying_plane_ratio(SLOW_TIER)
+            codec = get_codec(name, **params)
             for k in DELTAS if delta else (25,):
                 blob = codec.encode(series[s + k], series[s] if delta else None)
                 row.ratios[k] = nbytes / len(blob)
@@ -226,8 +238,11 @@ def measure_class(cls: str, series: dict[int, torch.Tensor], s: int, repeats: in
                 back = decode_blob(blob, series[s] if delta else None, threads=1)
                 if not np.array_equal(as_bytes(back), as_bytes(series[s + k])):
                     raise AssertionError(f"{cls} {method} Δ{k}: decode is not bit-exact")
-            enc_s, blob = best_time(lambda c=codec, d=delta: c.encode(
+            enc_s, _ = best_time(lambda c=codec, d=delta: c.encode_parts(
                 target_t, base_t if d else None), repeats)
+            joined_s, blob = best_time(lambda c=codec, d=delta: c.encode(
+                target_t, base_t if d else None), repeats)
+            row.joined_mbs = nbytes / joined_s / 1e6
             dec_s, _ = best_time(lambda b=blob, d=delta: decode_blob(
                 b, base_t if d else None, threads=1), repeats)
         else:
@@ -401,15 +416,16 @@ def e2e_table(cases: list[tuple[str, EndToEnd]]) -> str:
 
 def table(rows: list[Row]) -> str:
     out = ["| class | codec | ratio Δ1 | ratio Δ25 | ratio Δ100 | vs baseline (Δ25) "
-           "| encode MB/s/core | decode MB/s/core | note |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+           "| encode MB/s/core | decode MB/s/core | encode() joined MB/s | note |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cells = [f"{r.ratios[k]:.3f}" if k in r.ratios else "–" for k in DELTAS]
         _, best = best_baseline(rows, r.cls, 25, r.method in DELTA_METHODS)
         rel = f"{r.ratios[25] / best:.3f}x" if r.method in CODECS else "–"
         method = f"*{r.method}*" if r.method in BASELINES else r.method
         out.append(f"| {r.cls} | {method} | {' | '.join(cells)} | {rel} | "
-                   f"{r.encode_mbs:,.0f} | {r.decode_mbs:,.0f} | {r.note} |")
+                   f"{r.encode_mbs:,.0f} | {r.decode_mbs:,.0f} | "
+                   f"{'–' if r.joined_mbs is None else f'{r.joined_mbs:,.0f}'} | {r.note} |")
     return "\n".join(out)
 
 
@@ -529,6 +545,10 @@ def main() -> None:
           f"{dec[1].decode_mbs:,.0f} MB/s ({dec[1].method}, {dec[1].cls}, {dec[0][:3]}) — "
           f"{'met' if dec[1].decode_mbs >= GOAL_DECODE_MBS else 'NOT met'}; met in "
           f"{sum(r.decode_mbs >= GOAL_DECODE_MBS for _, r in speeds)}/{len(speeds)} rows")
+    short = [f"{r.method} {r.cls} {t[:3]} {r.encode_mbs:,.0f}/{r.decode_mbs:,.0f}"
+             for t, r in speeds
+             if r.encode_mbs < GOAL_ENCODE_MBS or r.decode_mbs < GOAL_DECODE_MBS]
+    print(f"  rows short of a throughput goal (encode/decode MB/s): {'; '.join(short) or 'none'}")
     e2es = [(f"{t[:3]} {label.split(',')[0]}, {label.split(',')[1].strip()}", e)
             for t, (_, cases) in results.items() for label, e in cases]
     worst = max(e2es, key=lambda x: x[1].auto_s / x[1].raw_s)

@@ -22,6 +22,7 @@ from ckptpilot.codecs import (
     xor_delta,
 )
 from ckptpilot.codecs.base import tensor_bytes
+from ckptpilot.codecs.entropy import decompress_into, literal_compressor
 from ckptpilot.errors import CheckpointFormatError
 
 DTYPES = [
@@ -167,6 +168,76 @@ def test_byteplane_codes_only_the_planes_that_pay() -> None:
     header = blob_info(get_codec("byteplane").encode(torch.randint(0, 256, (50_000,))))
     modes = [mode for _, _, mode in header.params["segments"]]
     assert modes[0] == "raw" and set(modes[1:]) == {"zstd"}  # int64 high bytes are zeros
+
+
+def plane_data(rng: np.random.Generator, n: int, skewed: bool) -> np.ndarray:
+    """One byte plane: few symbols with a skew (compresses ~3x) or uniform noise."""
+    if skewed:
+        return rng.choice(np.arange(4, dtype=np.uint8), n, p=[0.7, 0.1, 0.1, 0.1])
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32]
+)
+def test_every_plane_layout_round_trips(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Each mix of coded and raw planes, in chunks, plain and as an XOR delta; the header codes
+    exactly the skewed planes."""
+    monkeypatch.setattr(byteplane, "CHUNK_BYTES", 4096)
+    itemsize, n = dtype.itemsize, 20_000
+    rng = np.random.default_rng(itemsize)
+    masks = range(1 << itemsize) if itemsize <= 4 else [0, 0x80, 0xC0, 0x81, 0x55, 0xFF]
+    for mask in masks:
+        planes = [plane_data(rng, n, bool(mask >> p & 1)) for p in range(itemsize)]
+        raw = np.stack(planes, axis=1).reshape(-1)
+        tensor = torch.from_numpy(raw).view(dtype)
+        base = torch.from_numpy(rng.integers(0, 256, n * itemsize, dtype=np.uint8)).view(dtype)
+        moved = torch.from_numpy(raw ^ tensor_bytes(base)).view(dtype)
+        for codec, value, against in (
+            (get_codec("byteplane", threads=2), tensor, None),
+            (get_codec("xor_delta", threads=2), moved, base),
+        ):
+            blob = codec.encode(value, against)
+            coded = [lo for lo, _, mode in blob_info(blob).params["segments"] if mode == "zstd"]
+            assert coded == [p for p in range(itemsize) if mask >> p & 1], (mask, codec)
+            assert_same(codec.decode(blob, against), value)
+
+
+def test_the_literals_profile_huffman_codes_and_matches_win_on_repeats() -> None:
+    rng = np.random.default_rng(0)
+    symbols = rng.integers(0, 8, 1 << 20, dtype=np.uint8)  # 3 bits of entropy per byte
+    frame = literal_compressor().compress(symbols)
+    assert len(symbols) / len(frame) > 2.5  # literal Huffman coding really is on
+    back = np.empty_like(symbols)
+    decompress_into(frame, back, "test")
+    assert np.array_equal(back, symbols)
+    counter = (np.arange(1 << 14) % 251).astype(np.uint8)  # repeats, but every byte as often
+    sample = np.stack([counter, plane_data(rng, 1 << 14, True)], axis=1)
+    plans = byteplane.plan_segments(sample, 1, byteplane.MIN_PLANE_RATIO)
+    assert [(lo, mode, pick) for lo, _, mode, pick in plans] == [(0, "zstd", 1), (1, "zstd", 0)]
+
+
+def test_min_plane_ratio_decides_which_planes_pay() -> None:
+    rng = np.random.default_rng(1)
+    n = 200_000
+    top = plane_data(rng, n, True)
+    weak = np.minimum(rng.integers(0, 256, n), rng.integers(0, 256, n)).astype(np.uint8)
+    raw = np.stack([rng.integers(0, 256, n, dtype=np.uint8), weak, top, top], axis=1)
+    tensor = torch.from_numpy(raw.reshape(-1)).view(torch.float32)
+    for ratio, coded in ((1.2, [2, 3]), (1.02, [1, 2, 3])):
+        blob = get_codec("byteplane", min_plane_ratio=ratio).encode(tensor)
+        segments = blob_info(blob).params["segments"]
+        assert [lo for lo, _, mode in segments if mode == "zstd"] == coded
+        assert_same(decode_blob(blob), tensor)
+    assert byteplane.paying_plane_ratio(10e9) == byteplane.MIN_PLANE_RATIO
+    assert byteplane.paying_plane_ratio(1e3) == 1.01
+    slow = byteplane.paying_plane_ratio(100e6)
+    assert 1.01 < slow < byteplane.paying_plane_ratio(150e6) < byteplane.MIN_PLANE_RATIO
+    for bad in (0.5, "1.2", float("inf"), True):
+        with pytest.raises(CodecParamError, match="min_plane_ratio"):
+            get_codec("xor_delta", min_plane_ratio=bad)
 
 
 def test_prefix_index_falls_back_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 
 Owns: the choice among ``raw``, ``byteplane``, ``zstd`` (integer and bool tensors: on floats
 byte planes were measured both faster and smaller), ``prefix_index`` (16/32-bit floats) and
-``xor_delta`` (when a fitting base is given), from timed trials on samples. Must not:
+``xor_delta`` (when a fitting base is given), from timed trials on samples. The byte-plane
+candidates code the planes that pay at the given bandwidth (``paying_plane_ratio``). Must not:
 write its own blob format (the blob is the chosen codec's, whose id is in the header, so
 decoding dispatches on it) or remember choices between calls.
 
@@ -39,7 +40,7 @@ from ckptpilot.codecs.base import (
     resolve_threads,
 )
 from ckptpilot.codecs.blob import Buffer
-from ckptpilot.codecs.byteplane import CHUNK_BYTES
+from ckptpilot.codecs.byteplane import CHUNK_BYTES, paying_plane_ratio
 from ckptpilot.codecs.registry import decode_blob, get_codec, register_codec
 
 _STRIPES = 8
@@ -90,13 +91,14 @@ class AutoCodec(Codec):
     def candidates(self, tensor: torch.Tensor, base: torch.Tensor | None) -> list[Codec]:
         """The codecs tried for this tensor (``raw`` first, always)."""
         entropy = {"level": self.level, "threads": self.threads}
-        codecs = [get_codec("raw"), get_codec("byteplane", **entropy)]
+        planes = {**entropy, "min_plane_ratio": paying_plane_ratio(self.bandwidth_bytes_per_s)}
+        codecs = [get_codec("raw"), get_codec("byteplane", **planes)]
         if not tensor.dtype.is_floating_point:
             codecs.append(get_codec("zstd", **entropy))
         if tensor.dtype in _PREFIX_DTYPES:
             codecs.append(get_codec("prefix_index", prefix_bits=self.prefix_bits, **entropy))
         if _fits(tensor, base):
-            codecs.append(get_codec("xor_delta", **entropy))
+            codecs.append(get_codec("xor_delta", **planes))
         return codecs
 
     def choose(

@@ -67,6 +67,50 @@ def lane(flat: np.ndarray, itemsize: int, lo: int, width: int) -> np.ndarray:
     return flat.view(f"<u{width}").reshape(-1, itemsize // width)[:, lo // width]
 
 
+def gather(flat: np.ndarray, itemsize: int, lo: int, width: int, out: np.ndarray) -> None:
+    """``out[...] = lane(flat, itemsize, lo, width)``, into the contiguous ``out``.
+
+    For 2- and 4-byte elements as a shift of the whole words with a truncating store: NumPy
+    vectorises that (SIMD), 2-5x faster than its byte-strided copy (measured per 1 Mi elements:
+    0.05-0.12 ms against 0.25 ms).
+    """
+    if itemsize in (2, 4):
+        words = flat.view(f"<u{itemsize}")
+        np.right_shift(words, words.dtype.type(8 * lo), out=out, casting="unsafe")
+    else:
+        np.copyto(out, lane(flat, itemsize, lo, width))
+
+
+def scatter(
+    flat: np.ndarray,
+    itemsize: int,
+    lo: int,
+    width: int,
+    part: np.ndarray,
+    xor_with: np.ndarray | None = None,
+) -> None:
+    """``lane(flat, itemsize, lo, width)[...] = part``; lanes must come in order from ``lo = 0``.
+
+    For 2- and 4-byte elements the first lane is stored zero-extended over whole words (XOR-ed
+    with ``xor_with``, an array like ``flat``, when given: the other lanes then XOR in the same
+    as they OR in) and the others are XOR-ed in, shifted: vectorised, ~2x faster than
+    byte-strided stores. Without the fast path ``xor_with`` is applied with the last lane.
+    """
+    if itemsize in (2, 4):
+        words = flat.view(f"<u{itemsize}")
+        if lo == 0 and xor_with is not None:
+            np.bitwise_xor(xor_with.view(words.dtype), part, out=words, casting="unsafe")
+        elif lo == 0:
+            np.copyto(words, part, casting="unsafe")
+        else:
+            shifted = np.left_shift(part, words.dtype.type(8 * lo), dtype=words.dtype)
+            np.bitwise_xor(words, shifted, out=words)
+        return
+    lane(flat, itemsize, lo, width)[...] = part
+    if xor_with is not None and lo + width == itemsize:
+        np.bitwise_xor(flat, xor_with, out=flat)
+
+
 def word_runs(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
     """Split the element bytes ``[lo, hi)`` into the fewest aligned words, as (lo, width)."""
     runs = []

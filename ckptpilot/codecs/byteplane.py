@@ -27,25 +27,31 @@ import numpy as np
 import torch
 
 from ckptpilot.codecs.base import (
+    CodecParamError,
     LevelThreadsCodec,
-    lane,
+    check_positive,
+    gather,
     parallel_map,
     resolve_threads,
+    scatter,
     tensor_bytes,
     word_runs,
 )
 from ckptpilot.codecs.blob import Frame, Section
-from ckptpilot.codecs.entropy import compressor, decompress_into
+from ckptpilot.codecs.entropy import Compressor, compressor, decompress_into, literal_compressor
 from ckptpilot.codecs.registry import register_codec
 from ckptpilot.errors import CheckpointFormatError
 
 CHUNK_BYTES = 4 << 20
 SAMPLE_ELEMENTS = 1 << 14
 SAMPLE_STRIPES = 16
-MIN_PLANE_RATIO = 1.05
+MIN_PLANE_RATIO = 1.2
+MATCH_GAIN = 1.25
+PLANE_BYTES_PER_S = 1.2e9
 RAW, ZSTD = "raw", "zstd"
 
 Segment = tuple[int, int, str]
+Plan = tuple[int, int, str, int | None]  # a segment and the index of its coder
 
 
 def _sample(matrix: np.ndarray) -> np.ndarray:
@@ -57,29 +63,63 @@ def _sample(matrix: np.ndarray) -> np.ndarray:
     return np.concatenate([matrix[s : s + stripe] for s in starts])
 
 
-def plan_segments(sample: np.ndarray, level: int) -> list[Segment]:
-    """Decide per byte plane of the ``(rows, itemsize)`` sample, then group the raw planes."""
+def _plane_coders(level: int) -> list[Compressor]:
+    """The coders a plane may get: literals then matches (level 1), else zstd at ``level``."""
+    return [literal_compressor(), compressor(1)] if level == 1 else [compressor(level)]
+
+
+def paying_plane_ratio(bandwidth_bytes_per_s: float) -> float:
+    """The smallest plane ratio worth coding for a tier of this bandwidth.
+
+    Coding a plane of B bytes to ratio r saves B (1 - 1/r) / bandwidth of transfer and costs
+    B / ``PLANE_BYTES_PER_S`` (the literals profile, 1.0-1.4 GB/s measured) of encoding: it
+    pays when r > 1 / (1 - bandwidth / PLANE_BYTES_PER_S). Capped at ``MIN_PLANE_RATIO``: an
+    exponent plane (ratio 2-7) is always worth its time next to the rest of the tensor, and
+    whether coding pays at all is ``auto``'s whole-tensor decision; floored at 1.01.
+    """
+    if bandwidth_bytes_per_s >= PLANE_BYTES_PER_S:
+        return MIN_PLANE_RATIO
+    return min(MIN_PLANE_RATIO, max(1.01, 1 / (1 - bandwidth_bytes_per_s / PLANE_BYTES_PER_S)))
+
+
+def plan_segments(sample: np.ndarray, level: int, min_ratio: float) -> list[Plan]:
+    """Decide per byte plane of the ``(rows, itemsize)`` sample, then group the raw planes.
+
+    A plane is coded when its best coder shrinks the sample by more than ``min_ratio``;
+    the literals profile is taken unless matches shrink the plane ``MATCH_GAIN`` times more
+    (they cost about twice the time: runs of zeros in deltas of frozen tensors, counters).
+    """
     itemsize = sample.shape[1]
-    zc = compressor(level)
-    packs = []
+    coders = _plane_coders(level)
+    picks: list[int | None] = []
     for plane in range(itemsize):
         data = np.ascontiguousarray(sample[:, plane])
-        packs.append(data.size > 0 and data.size > MIN_PLANE_RATIO * len(zc.compress(data)))
-    segments: list[Segment] = []
+        sizes = [len(coder.compress(data)) for coder in coders] if data.size else []
+        if not sizes or data.size <= min_ratio * min(sizes):
+            picks.append(None)
+        else:
+            picks.append(1 if len(sizes) > 1 and sizes[1] * MATCH_GAIN < sizes[0] else 0)
+    plans: list[Plan] = []
     lo = 0
     while lo < itemsize:
-        if packs[lo]:
-            segments.append((lo, 1, ZSTD))
+        pick = picks[lo]
+        if pick is not None:
+            plans.append((lo, 1, ZSTD, pick))
             lo += 1
             continue
-        hi = next((p for p in range(lo, itemsize) if packs[p]), itemsize)
-        segments.extend((start, width, RAW) for start, width in word_runs(lo, hi, itemsize))
+        hi = next((p for p in range(lo, itemsize) if picks[p] is not None), itemsize)
+        plans.extend((start, width, RAW, None) for start, width in word_runs(lo, hi, itemsize))
         lo = hi
-    return segments
+    return plans
 
 
 def encode_planes(
-    flat: np.ndarray, itemsize: int, level: int, threads: int, xor_with: np.ndarray | None = None
+    flat: np.ndarray,
+    itemsize: int,
+    level: int,
+    threads: int,
+    xor_with: np.ndarray | None = None,
+    min_ratio: float = MIN_PLANE_RATIO,
 ) -> tuple[dict[str, Any], list[Section]]:
     """Header params and sections for the uint8 array ``flat`` of ``itemsize``-byte elements.
 
@@ -90,29 +130,40 @@ def encode_planes(
     sample = _sample(flat.reshape(n, itemsize))
     if xor_with is not None:
         sample = sample ^ _sample(xor_with.reshape(n, itemsize))
-    segments = plan_segments(sample, level)
+    plans = plan_segments(sample, level, min_ratio)
     chunk = max(1, CHUNK_BYTES // itemsize)
-    # A lane that is the whole element is already contiguous; the others are gathered into
-    # one (huge-page backed) buffer each, chunk by chunk, by the workers.
-    buffers = [None if width == itemsize else np.empty(n, f"<u{width}") for _, width, _ in segments]
+    # Raw lanes become sections, so each gets one (huge-page backed) buffer for the whole
+    # tensor, filled chunk by chunk by the workers; a lane that is the whole element is already
+    # contiguous. Coded planes only pass through a per-chunk scratch buffer.
+    buffers = [
+        np.empty(n, f"<u{width}") if mode == RAW and width != itemsize else None
+        for _, width, mode, _ in plans
+    ]
 
     def encode_chunk(start: int) -> list[Section]:
         stop = min(n, start + chunk)
         data = flat[start * itemsize : stop * itemsize]
         if xor_with is not None:
             data = np.bitwise_xor(data, xor_with[start * itemsize : stop * itemsize])
-        zc = compressor(level)
+        coders = _plane_coders(level)
+        scratch = None
         out = []
-        for (lo, width, mode), buffer in zip(segments, buffers, strict=True):
-            part = lane(data, itemsize, lo, width)
-            if buffer is not None:
-                np.copyto(buffer[start:stop], part)
+        for (lo, width, mode, pick), buffer in zip(plans, buffers, strict=True):
+            if width == itemsize:
+                part = data.view(f"<u{width}")
+            elif mode == RAW:
                 part = buffer[start:stop]
-            out.append(Section.of(zc.compress(part) if mode == ZSTD else part))
+                gather(data, itemsize, lo, width, part)
+            else:
+                if scratch is None:
+                    scratch = np.empty(stop - start, np.uint8)
+                part = scratch
+                gather(data, itemsize, lo, width, part)
+            out.append(Section.of(part if mode == RAW else coders[pick].compress(part)))
         return out
 
     per_chunk = parallel_map(encode_chunk, range(0, n, chunk), threads)
-    params = {"chunk": chunk, "segments": [list(s) for s in segments]}
+    params = {"chunk": chunk, "segments": [[lo, width, mode] for lo, width, mode, _ in plans]}
     return params, [section for sections in per_chunk for section in sections]
 
 
@@ -125,40 +176,67 @@ def decode_planes(frame: Frame, threads: int, xor_with: np.ndarray | None = None
     n_chunks = -(-n // chunk)
     frame.expect_sections(n_chunks * len(segments))
     out = np.empty(frame.nbytes, np.uint8)
-    targets = [lane(out, itemsize, lo, width) for lo, width, _ in segments]
-    # zstd planes are decompressed into one contiguous scratch plane each, then scattered.
-    planes = [
-        np.empty(n, np.uint8) if mode == ZSTD and width != itemsize else None
-        for _, width, mode in segments
-    ]
+    # A zstd plane inside the element is decompressed into a per-chunk scratch of its own (pairs
+    # of neighbouring planes are merged before they are scattered).
+    coded = sum(mode == ZSTD and width != itemsize for _, width, mode in segments)
 
     def decode_chunk(index: int) -> None:
         start = index * chunk
         stop = min(n, start + chunk)
-        for s, ((_, width, mode), target, plane) in enumerate(
-            zip(segments, targets, planes, strict=True)
-        ):
+        span = out[start * itemsize : stop * itemsize]
+        scratch = np.empty((coded, stop - start), np.uint8) if coded else None
+        base = None if xor_with is None else xor_with[start * itemsize : stop * itemsize]
+        parts = []
+        planes = iter(scratch if scratch is not None else ())
+        for s, (lo, width, mode) in enumerate(segments):
             number = index * len(segments) + s
             data = frame.section(number)
-            part = target[start:stop]
             if mode == ZSTD:
-                dest = part if plane is None else plane[start:stop]
+                dest = span if width == itemsize else next(planes)
                 decompress_into(data, dest, f"{frame.codec} blob, section {number}")
-                if plane is not None:
-                    part[...] = dest
+                parts.append((lo, width, dest))
             elif len(data) == (stop - start) * width:
-                part[...] = np.frombuffer(data, target.dtype)
+                parts.append((lo, width, np.frombuffer(data, f"<u{width}")))
             else:
                 raise CheckpointFormatError(
                     f"{frame.codec} blob: raw section {number} has {len(data)} bytes, "
                     f"expected {(stop - start) * width}"
                 )
-        if xor_with is not None:
-            span = slice(start * itemsize, stop * itemsize)
-            np.bitwise_xor(out[span], xor_with[span], out=out[span])
+        for lo, width, part in _pair_bytes(parts, itemsize):
+            if width != itemsize:
+                scatter(span, itemsize, lo, width, part, base)
+            elif base is not None:
+                np.bitwise_xor(base, part.view(np.uint8), out=span)
+            elif part is not span:
+                span[...] = part.view(np.uint8)
 
     parallel_map(decode_chunk, range(n_chunks), threads)
     return out
+
+
+def _pair_bytes(
+    parts: list[tuple[int, int, np.ndarray]], itemsize: int
+) -> list[tuple[int, int, np.ndarray]]:
+    """Merge neighbouring one-byte lanes ``(2k, 2k + 1)`` into two-byte lanes.
+
+    Scattering a lane into 2- or 4-byte words costs one pass over the words whatever its
+    width, so merging the two bytes first (a pass over half as many bytes) saves a word pass.
+    """
+    if itemsize not in (2, 4):
+        return parts
+    merged = []
+    i = 0
+    while i < len(parts):
+        lo, width, part = parts[i]
+        if width == 1 and lo % 2 == 0 and i + 1 < len(parts) and parts[i + 1][1] == 1:
+            pair = np.left_shift(parts[i + 1][2], np.uint16(8), dtype=np.uint16)
+            np.bitwise_or(pair, part, out=pair, casting="unsafe")
+            merged.append((lo, 2, pair))
+            i += 2
+        else:
+            merged.append((lo, width, part))
+            i += 1
+    return merged
 
 
 def _check_segments(frame: Frame, raw: list[Any], itemsize: int) -> list[Segment]:
@@ -184,9 +262,35 @@ def _check_segments(frame: Frame, raw: list[Any], itemsize: int) -> list[Segment
     return segments
 
 
+class PlaneCodec(LevelThreadsCodec):
+    """A byte-plane codec: ``level`` and ``threads`` as for zstd, plus ``min_plane_ratio``.
+
+    ``min_plane_ratio`` (>= 1): a plane is coded only when its sample shrinks by more than this.
+    The default (1.2) codes the sign/exponent planes (ratio 2-7 on trained tensors) and leaves
+    the mantissa-like planes of deltas (1.09-1.12) raw: coding those halves the encode speed to
+    save 2-3 % of the bytes, which pays only below ~150 MB/s (see :func:`paying_plane_ratio`,
+    which ``auto`` and the pulse writer use to lower it for slow tiers).
+    """
+
+    def __init__(
+        self, *, level: int = 1, threads: int = 0, min_plane_ratio: float = MIN_PLANE_RATIO
+    ) -> None:
+        super().__init__(level=level, threads=threads)
+        ratio = check_positive(self.codec_id, "min_plane_ratio", min_plane_ratio)
+        if ratio < 1:
+            raise CodecParamError(
+                f"{self.codec_id}: min_plane_ratio must be >= 1, got {min_plane_ratio!r}"
+            )
+        self.min_plane_ratio = ratio
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {**super().config, "min_plane_ratio": self.min_plane_ratio}
+
+
 @register_codec
-class BytePlaneCodec(LevelThreadsCodec):
-    """Byte planes; zstd at ``level`` (1 = the plane profile) on the planes that compress.
+class BytePlaneCodec(PlaneCodec):
+    """Byte planes; zstd (see :class:`PlaneCodec`) on the planes that pay, the rest copied.
 
     ``threads`` (0 = all cores) code chunks of big tensors in parallel.
     """
@@ -197,7 +301,10 @@ class BytePlaneCodec(LevelThreadsCodec):
         self, tensor: torch.Tensor, base: torch.Tensor | None
     ) -> tuple[dict[str, Any], list[Section]]:
         flat = tensor_bytes(tensor)
-        return encode_planes(flat, tensor.dtype.itemsize, self.level, resolve_threads(self.threads))
+        threads = resolve_threads(self.threads)
+        return encode_planes(
+            flat, tensor.dtype.itemsize, self.level, threads, min_ratio=self.min_plane_ratio
+        )
 
     def _decode(self, frame: Frame, base: torch.Tensor | None) -> np.ndarray:
         return decode_planes(frame, resolve_threads(self.threads))

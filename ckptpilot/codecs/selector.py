@@ -26,6 +26,7 @@ import torch
 
 from ckptpilot.codecs.auto import AutoCodec
 from ckptpilot.codecs.base import Codec
+from ckptpilot.codecs.byteplane import paying_plane_ratio
 from ckptpilot.codecs.registry import get_codec
 
 FAMILIES = ("weights", "optimizer", "other")
@@ -58,7 +59,8 @@ class CodecSelector:
                 self._codecs[fam] = AutoCodec(bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                                               prefix_bits=prefix_bits, overlap=True, **entropy)
             else:
-                self._codecs[fam] = _build(codec_name, prefix_bits=prefix_bits, **entropy)
+                self._codecs[fam] = _build(codec_name, prefix_bits=prefix_bits,
+                                           bandwidth=bandwidth_bytes_per_s, **entropy)
         self._no_base = AutoCodec(bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                                   prefix_bits=prefix_bits, overlap=True, **entropy)
         self._retry_every = retry_every
@@ -128,10 +130,12 @@ class CodecSelector:
             return {key[0]: codec.codec_id for key, (codec, _, _) in self._chosen.items()}
 
 
-def _build(name: str, *, prefix_bits: int, level: int, threads: int) -> Codec:
+def _build(name: str, *, prefix_bits: int, bandwidth: float, level: int, threads: int) -> Codec:
     params: dict[str, Any] = {}
     if name in ("zstd", "byteplane", "xor_delta", "prefix_index"):
         params = {"level": level, "threads": threads}
     if name == "prefix_index":
         params["prefix_bits"] = prefix_bits
+    if name in ("byteplane", "xor_delta"):
+        params["min_plane_ratio"] = paying_plane_ratio(bandwidth)
     return get_codec(name, **params)

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptpilot.codecs.base import LevelThreadsCodec, resolve_threads, tensor_bytes
+from ckptpilot.codecs.base import resolve_threads, tensor_bytes
 from ckptpilot.codecs.blob import Frame, Section
-from ckptpilot.codecs.byteplane import decode_planes, encode_planes
+from ckptpilot.codecs.byteplane import PlaneCodec, decode_planes, encode_planes
 from ckptpilot.codecs.registry import register_codec
 from ckptpilot.errors import CheckpointFormatError
 
@@ -84,8 +84,8 @@ def _device_xor(tensor: torch.Tensor, base: torch.Tensor) -> np.ndarray:
 
 
 @register_codec
-class XorDeltaCodec(LevelThreadsCodec):
-    """XOR against ``base``, then byte planes (``level``, ``threads`` as in ``byteplane``)."""
+class XorDeltaCodec(PlaneCodec):
+    """XOR against ``base``, then byte planes (params as in ``byteplane``)."""
 
     codec_id = "xor_delta"
 
@@ -96,10 +96,14 @@ class XorDeltaCodec(LevelThreadsCodec):
         itemsize, threads = tensor.dtype.itemsize, resolve_threads(self.threads)
         if tensor.device.type == "cpu":  # XOR chunk by chunk inside the plane coder
             flat, other = tensor_bytes(tensor), tensor_bytes(base)
-            params, sections = encode_planes(flat, itemsize, self.level, threads, other)
+            params, sections = encode_planes(
+                flat, itemsize, self.level, threads, other, self.min_plane_ratio
+            )
         else:
             delta = _device_xor(tensor, base)
-            params, sections = encode_planes(delta, itemsize, self.level, threads)
+            params, sections = encode_planes(
+                delta, itemsize, self.level, threads, min_ratio=self.min_plane_ratio
+            )
         return {**params, "base_crc": base_crc(base)}, sections
 
     def _decode(self, frame: Frame, base: torch.Tensor | None) -> np.ndarray:
