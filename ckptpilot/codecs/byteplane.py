@@ -7,9 +7,10 @@ business) or touch devices (it works on host NumPy views).
 
 Float mantissa bytes are noise; the sign/exponent byte carries the redundancy (issue 5). So the
 decision is made per plane on a sample (16 stripes spread over the tensor, 16 Ki elements in
-all): a plane is zstd-coded when the sample shrinks by more than ``MIN_PLANE_RATIO``, else it
-is copied. Neighbouring raw planes are kept together as aligned little-endian words of 2, 4 or
-8 bytes, so copying them costs one strided copy instead of one per byte.
+all): a plane is zstd-coded (literals or match profile, see ``entropy``) when the sample shrinks
+by more than ``min_plane_ratio``, else it is copied. Neighbouring raw planes are kept together
+as aligned little-endian words of 2, 4 or 8 bytes, so splitting them off costs one pass instead
+of one per byte; the passes are shifts of whole words (see ``base.gather`` / ``base.scatter``).
 
 Header params: ``{"chunk": C, "segments": [[lo, width, mode], ...]}``. The element bytes
 ``[lo, lo + width)`` form a segment; ``mode`` is ``"zstd"`` (width 1, one byte plane) or
@@ -72,7 +73,7 @@ def paying_plane_ratio(bandwidth_bytes_per_s: float) -> float:
     """The smallest plane ratio worth coding for a tier of this bandwidth.
 
     Coding a plane of B bytes to ratio r saves B (1 - 1/r) / bandwidth of transfer and costs
-    B / ``PLANE_BYTES_PER_S`` (the literals profile, 1.0-1.4 GB/s measured) of encoding: it
+    B / ``PLANE_BYTES_PER_S`` (the literals profile, 1.1-1.7 GB/s measured) of encoding: it
     pays when r > 1 / (1 - bandwidth / PLANE_BYTES_PER_S). Capped at ``MIN_PLANE_RATIO``: an
     exponent plane (ratio 2-7) is always worth its time next to the rest of the tensor, and
     whether coding pays at all is ``auto``'s whole-tensor decision; floored at 1.01.

@@ -18,8 +18,9 @@ strings, so zstd gains from Huffman-coding literals and loses time hunting match
   literal coding off for exactly this setting (its negative levels), so it sets the experimental
   ``ZSTD_c_literalCompressionMode``, which python-zstandard does not expose; it comes from
   ``compression.zstd`` (Python 3.14) or its backport ``backports.zstd``. Measured on the planes
-  of a real AdamW run (bench/RESULTS.md): 1.0-1.4 GB/s encode and 2.6-2.7 GB/s decode on every
-  plane, 2.3x faster on the one-symbol planes, ratio within ±10 % of the match profile.
+  of a real AdamW run (bench/RESULTS.md): 1.1-1.7 GB/s encode and 1.7-3.4 GB/s decode per plane
+  byte; on the one-symbol planes 2.2-2.9x faster than the match profile at a ratio 10 % lower
+  to 13 % higher.
 
 Both write plain zstd frames: decoding needs neither profile, so every blob ever written decodes
 with python-zstandard. Levels 2-22 are zstd's standard levels.

@@ -376,10 +376,10 @@ class PeerTier:
         base's holder first, then full shards to fresh peers until one takes it."""
         reasons: list[str] = []
         if endpoint is not None and base_shard is not None and base is not None:
-            blob = self._codec.encode(shard_tensor(shard), base=shard_tensor(base_shard))
-            try:
-                self._request(endpoint, Op.DELTA, {**header, "base_id": base[0]}, [meta, blob])
-                return endpoint, len(blob), True
+            blob = self._codec.encode_parts(shard_tensor(shard), base=shard_tensor(base_shard))
+            try:  # the blob's parts are sent as they are: joining them would copy the shard
+                self._request(endpoint, Op.DELTA, {**header, "base_id": base[0]}, [meta, *blob])
+                return endpoint, sum(memoryview(part).nbytes for part in blob), True
             except PeerRequestError as e:
                 if e.code != "no_base":
                     reasons.append(f"@{endpoint}: {e.message}")
