@@ -219,6 +219,15 @@ def test_the_literals_profile_huffman_codes_and_matches_win_on_repeats() -> None
     assert [(lo, mode, pick) for lo, _, mode, pick in plans] == [(0, "zstd", 1), (1, "zstd", 0)]
 
 
+def test_a_plane_gets_the_coder_that_pays() -> None:
+    pick = byteplane.pick_coder
+    assert pick(1000, [900, 900], 1.2) is None  # neither shrinks it by 1.2x: raw
+    assert pick(1000, [500, 450], 1.2) == 0  # literals pay; matches not 1.25x better
+    assert pick(1000, [500, 300], 1.2) == 1  # matches 1.25x better
+    assert pick(1000, [990, 800], 1.2) == 1  # only matches pay, though by less than 1.25x
+    assert pick(1000, [700], 1.2) == 0 and pick(0, [], 1.2) is None
+
+
 def test_min_plane_ratio_decides_which_planes_pay() -> None:
     rng = np.random.default_rng(1)
     n = 200_000

@@ -74,21 +74,34 @@ def paying_plane_ratio(bandwidth_bytes_per_s: float) -> float:
 
     Coding a plane of B bytes to ratio r saves B (1 - 1/r) / bandwidth of transfer and costs
     B / ``PLANE_BYTES_PER_S`` (the literals profile, 1.1-1.7 GB/s measured) of encoding: it
-    pays when r > 1 / (1 - bandwidth / PLANE_BYTES_PER_S). Capped at ``MIN_PLANE_RATIO``: an
-    exponent plane (ratio 2-7) is always worth its time next to the rest of the tensor, and
-    whether coding pays at all is ``auto``'s whole-tensor decision; floored at 1.01.
+    pays when r > 1 / (1 - bandwidth / PLANE_BYTES_PER_S). Planes that take the match profile
+    (0.4-0.5 GB/s) cost more than this assumes; they are the compressible ones (ratio ≫ 1.2).
+    Capped at ``MIN_PLANE_RATIO``: an exponent plane (ratio 2-7) is always worth its time next
+    to the rest of the tensor, and whether coding pays at all is ``auto``'s whole-tensor
+    decision; floored at 1.01.
     """
     if bandwidth_bytes_per_s >= PLANE_BYTES_PER_S:
         return MIN_PLANE_RATIO
     return min(MIN_PLANE_RATIO, max(1.01, 1 / (1 - bandwidth_bytes_per_s / PLANE_BYTES_PER_S)))
 
 
+def pick_coder(nbytes: int, sizes: list[int], min_ratio: float) -> int | None:
+    """Which coder (an index into ``sizes``, literals first) a plane of ``nbytes`` sample bytes
+    gets, given the sizes the coders shrank it to; ``None``: none pays, copy it raw."""
+    pays = [nbytes > min_ratio * size for size in sizes]
+    if not any(pays):
+        return None
+    if len(sizes) > 1 and pays[1] and (not pays[0] or sizes[1] * MATCH_GAIN < sizes[0]):
+        return 1
+    return 0
+
+
 def plan_segments(sample: np.ndarray, level: int, min_ratio: float) -> list[Plan]:
     """Decide per byte plane of the ``(rows, itemsize)`` sample, then group the raw planes.
 
-    A plane is coded when its best coder shrinks the sample by more than ``min_ratio``;
-    the literals profile is taken unless matches shrink the plane ``MATCH_GAIN`` times more
-    (they cost about twice the time: runs of zeros in deltas of frozen tensors, counters).
+    A plane is coded when a coder shrinks the sample by more than ``min_ratio``: the literals
+    profile when it does, unless matches shrink the plane ``MATCH_GAIN`` times more (they cost
+    two to three times the time: runs of zeros in deltas of frozen tensors, counters).
     """
     itemsize = sample.shape[1]
     coders = _plane_coders(level)
@@ -96,10 +109,7 @@ def plan_segments(sample: np.ndarray, level: int, min_ratio: float) -> list[Plan
     for plane in range(itemsize):
         data = np.ascontiguousarray(sample[:, plane])
         sizes = [len(coder.compress(data)) for coder in coders] if data.size else []
-        if not sizes or data.size <= min_ratio * min(sizes):
-            picks.append(None)
-        else:
-            picks.append(1 if len(sizes) > 1 and sizes[1] * MATCH_GAIN < sizes[0] else 0)
+        picks.append(pick_coder(data.size, sizes, min_ratio))
     plans: list[Plan] = []
     lo = 0
     while lo < itemsize:
@@ -268,9 +278,10 @@ class PlaneCodec(LevelThreadsCodec):
 
     ``min_plane_ratio`` (>= 1): a plane is coded only when its sample shrinks by more than this.
     The default (1.2) codes the sign/exponent planes (ratio 2-7 on trained tensors) and leaves
-    the mantissa-like planes of deltas (1.09-1.12) raw: coding those halves the encode speed to
-    save 2-3 % of the bytes, which pays only below ~150 MB/s (see :func:`paying_plane_ratio`,
-    which ``auto`` and the pulse writer use to lower it for slow tiers).
+    the mantissa-like planes of deltas (1.09-1.12) raw: coding those costs 15-35 % of the
+    encode speed and nearly half the decode speed to save 2-3 % of the bytes, which pays only
+    below ~100-130 MB/s (see :func:`paying_plane_ratio`, which ``auto`` and the pulse writer
+    use to lower it for slow tiers; the peer tier keeps the default).
     """
 
     def __init__(

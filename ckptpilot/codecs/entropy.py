@@ -12,7 +12,7 @@ strings, so zstd gains from Huffman-coding literals and loses time hunting match
   min_match 7 and target_length 0. Measured on 16 MiB exponent planes: 1.0-1.2 GB/s instead of
   0.41 GB/s for zstd's level 1, and a better ratio (2.94 vs 2.71 on weights). It still walks
   every position for matches, and on planes dominated by one symbol (the top plane of an XOR
-  delta, Adam's exp_avg_sq) it finds short ones and runs at 0.42-0.51 GB/s.
+  delta, Adam's exp_avg_sq) it finds short ones and runs at 0.43-0.53 GB/s.
 - :func:`literal_compressor`, the *literals* profile: matches practically never searched
   (target_length at its maximum) and Huffman coding of literals forced on. zstd switches
   literal coding off for exactly this setting (its negative levels), so it sets the experimental
