@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ckptpilot.codecs.auto import AutoCodec
+from ckptpilot.codecs.byteplane import MIN_PLANE_RATIO, paying_plane_ratio
 from ckptpilot.codecs.selector import CodecSelector, family
 
 
@@ -32,6 +33,23 @@ def test_xor_delta_needs_a_fitting_base_else_auto_decides() -> None:
     assert codec.codec_id in ("byteplane", "prefix_index", "raw") and base is None
     assert sel.codec_for("optimizer/x", w)[0].codec_id == "zstd"
     assert sel.codec_for("rng/x", w)[0].codec_id == "raw"
+
+
+@pytest.mark.parametrize("bandwidth", [50e6, 2e9])
+def test_byte_plane_codecs_code_the_planes_that_pay_at_the_tiers_bandwidth(
+    bandwidth: float,
+) -> None:
+    sel = CodecSelector({"weights": "xor_delta", "optimizer": "byteplane"},
+                        bandwidth_bytes_per_s=bandwidth)
+    w = torch.randn(64, 64)
+    for name, base in (("model/w", w + 1), ("optimizer/x", None)):
+        codec, _ = sel.codec_for(name, w, base)
+        assert codec.config["min_plane_ratio"] == paying_plane_ratio(bandwidth)
+    planes = [c for c in AutoCodec(bandwidth_bytes_per_s=bandwidth).candidates(w, w + 1)
+              if c.codec_id in ("byteplane", "xor_delta")]
+    assert len(planes) == 2
+    assert all(c.config["min_plane_ratio"] == paying_plane_ratio(bandwidth) for c in planes)
+    assert paying_plane_ratio(50e6) < paying_plane_ratio(2e9) == MIN_PLANE_RATIO
 
 
 def test_auto_choices_are_remembered_until_retry_every_saves(
