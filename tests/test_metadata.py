@@ -460,6 +460,30 @@ def test_a_store_carried_across_fork_opens_its_own_connections(tmp_path: Path) -
 
 # --- concurrency: real processes, real contention ---------------------------------------------
 
+def test_opening_a_fresh_file_waits_for_another_process_switching_it_to_wal(
+    tmp_path: Path,
+) -> None:
+    """Ranks opening a fresh file at once each switch it to WAL: one holds the write lock
+    while the others, already reading, want it too. SQLite answers those "database is locked"
+    at once, without its busy handler (CI hit this in the writers test below); the store must
+    wait instead. Here another connection holds that write lock for 0.5 s."""
+    path = tmp_path / "metadata.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.5, lambda: other.execute("COMMIT"))
+    release.start()
+    start = time.monotonic()
+    try:
+        with MetadataStore(path) as store:
+            add(store, 1)
+            assert [r.step for r in store.rows()] == [1]
+    finally:
+        release.join()
+        other.close()
+    assert time.monotonic() - start >= 0.4
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
 DURATION_SECONDS = 20.0
 WRITERS = 4
 RUN = "concurrency"

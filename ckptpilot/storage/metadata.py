@@ -400,14 +400,13 @@ class MetadataStore:
 
         ``isolation_level = None`` stops the driver from opening transactions on its own
         (it would skip BEGIN before SELECT and DDL); :meth:`_on_begin` emits it instead.
-        WAL is persistent in the file, so it is only switched on when not already set.
+        WAL is persistent in the file, so it is only switched on when not already set
+        (:meth:`_journal_mode_wal`).
         """
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            mode = cursor.execute("PRAGMA journal_mode").fetchone()[0]
-            if str(mode).lower() != "wal":
-                mode = cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            mode = self._journal_mode_wal(cursor)
             if str(mode).lower() != "wal":
                 raise MetadataSchemaError(
                     f"{self._path}: SQLite refused WAL mode (journal_mode stays {mode!r}); "
@@ -416,6 +415,31 @@ class MetadataStore:
             cursor.execute("PRAGMA foreign_keys=ON")
         finally:
             cursor.close()
+
+    def _journal_mode_wal(self, cursor: sqlite3.Cursor) -> str:
+        """Switch a fresh file to WAL; returns the journal mode it ends up in.
+
+        The switch reads the file, then upgrades to a write lock. When several processes open
+        a fresh file at once, SQLite answers one of two such upgrades "database is locked" at
+        once, without its busy handler (it would deadlock otherwise: each holds the read lock
+        the other waits for), so the switch is retried, jittered, until the busy timeout.
+        """
+        deadline = time.monotonic() + self._busy_timeout_seconds
+        while True:
+            try:
+                mode = cursor.execute("PRAGMA journal_mode").fetchone()[0]
+                if str(mode).lower() == "wal":
+                    return str(mode)
+                return str(cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0])
+            except sqlite3.OperationalError as error:
+                if not _is_busy(error):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise MetadataBusyError(
+                        f"{self._path}: could not switch the file to WAL mode within "
+                        f"{self._busy_timeout_seconds:g} s; another process keeps it locked"
+                    ) from error
+            time.sleep(random.uniform(0.0, _LOCK_POLL_SECONDS))
 
     def _on_begin(self, conn: Connection) -> None:
         """Emit BEGIN for reads and BEGIN IMMEDIATE, queued by polling, for writes."""
