@@ -91,10 +91,11 @@ def scatter(
 ) -> None:
     """``lane(flat, itemsize, lo, width)[...] = part``; lanes must come in order from ``lo = 0``.
 
-    For 2- and 4-byte elements the first lane is stored zero-extended over whole words (XOR-ed
-    with ``xor_with``, an array like ``flat``, when given: the other lanes then XOR in the same
-    as they OR in) and the others are XOR-ed in, shifted: vectorised, ~2x faster than
-    byte-strided stores. Without the fast path ``xor_with`` is applied with the last lane.
+    For 2- and 4-byte elements the first lane is stored zero-extended over whole words, XOR-ed
+    with ``xor_with`` (an array like ``flat``) when given, and the others are XOR-ed in,
+    shifted (their bits are zero until then, so XOR sets them, on top of the base's):
+    vectorised, ~2x faster than byte-strided stores. Other widths store the lanes strided and
+    apply ``xor_with`` with the last one.
     """
     if itemsize in (2, 4):
         words = flat.view(f"<u{itemsize}")

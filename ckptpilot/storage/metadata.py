@@ -407,7 +407,7 @@ class MetadataStore:
         cursor = dbapi_connection.cursor()
         try:
             mode = self._journal_mode_wal(cursor)
-            if str(mode).lower() != "wal":
+            if mode.lower() != "wal":
                 raise MetadataSchemaError(
                     f"{self._path}: SQLite refused WAL mode (journal_mode stays {mode!r}); "
                     "put the run directory's metadata on a local file system")
@@ -422,24 +422,18 @@ class MetadataStore:
         The switch reads the file, then upgrades to a write lock. When several processes open
         a fresh file at once, SQLite answers one of two such upgrades "database is locked" at
         once, without its busy handler (it would deadlock otherwise: each holds the read lock
-        the other waits for), so the switch is retried, jittered, until the busy timeout.
+        the other waits for), so the switch is retried until the busy timeout.
         """
-        deadline = time.monotonic() + self._busy_timeout_seconds
-        while True:
-            try:
-                mode = cursor.execute("PRAGMA journal_mode").fetchone()[0]
-                if str(mode).lower() == "wal":
-                    return str(mode)
-                return str(cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0])
-            except sqlite3.OperationalError as error:
-                if not _is_busy(error):
-                    raise
-                if time.monotonic() >= deadline:
-                    raise MetadataBusyError(
-                        f"{self._path}: could not switch the file to WAL mode within "
-                        f"{self._busy_timeout_seconds:g} s; another process keeps it locked"
-                    ) from error
-            time.sleep(random.uniform(0.0, _LOCK_POLL_SECONDS))
+
+        def switch() -> str:
+            mode = str(cursor.execute("PRAGMA journal_mode").fetchone()[0])
+            if mode.lower() == "wal":
+                return mode
+            return str(cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0])
+
+        return self._until_unlocked(
+            switch, f"could not switch the file to WAL mode within "
+            f"{self._busy_timeout_seconds:g} s; another process keeps it locked")
 
     def _on_begin(self, conn: Connection) -> None:
         """Emit BEGIN for reads and BEGIN IMMEDIATE, queued by polling, for writes."""
@@ -447,26 +441,29 @@ class MetadataStore:
         if not conn.get_execution_options().get(_WRITE_OPTION, False):
             driver.execute("BEGIN")
             return
-        deadline = time.monotonic() + self._busy_timeout_seconds
         timeout_ms = round(self._busy_timeout_seconds * 1000)
         driver.execute("PRAGMA busy_timeout=0")
         try:
-            while True:
-                try:
-                    driver.execute("BEGIN IMMEDIATE")
-                    return
-                except sqlite3.OperationalError as error:
-                    if not _is_busy(error):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise MetadataBusyError(
-                            f"{self._path}: no write lock after "
-                            f"{self._busy_timeout_seconds:g} s; another process holds a write "
-                            "transaction open (a hung pruner or a debugger paused in one?)"
-                        ) from error
-                time.sleep(random.uniform(0.0, _LOCK_POLL_SECONDS))
+            self._until_unlocked(
+                lambda: driver.execute("BEGIN IMMEDIATE"),
+                f"no write lock after {self._busy_timeout_seconds:g} s; another process holds "
+                "a write transaction open (a hung pruner or a debugger paused in one?)")
         finally:
             driver.execute(f"PRAGMA busy_timeout={timeout_ms}")
+
+    def _until_unlocked(self, attempt: Callable[[], Any], failure: str) -> Any:
+        """``attempt()``, retried after a jittered pause while SQLite answers "database is
+        locked", up to the busy timeout; then :class:`MetadataBusyError` saying ``failure``."""
+        deadline = time.monotonic() + self._busy_timeout_seconds
+        while True:
+            try:
+                return attempt()
+            except sqlite3.OperationalError as error:
+                if not _is_busy(error):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise MetadataBusyError(f"{self._path}: {failure}") from error
+            time.sleep(random.uniform(0.0, _LOCK_POLL_SECONDS))
 
     def _engines(self) -> tuple[Engine, Engine]:
         if self._closed:
