@@ -290,7 +290,23 @@ def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
     actual = _manifest_digest(manifest)
     if manifest.get("self_sha256") != actual:
         raise IntegrityError(where, str(manifest.get("self_sha256")), actual)
+    _check_identity(manifest, name, where)
     return manifest
+
+
+def _check_identity(manifest: Mapping[str, Any], name: str, where: str) -> None:
+    """A directory is not trusted by its name: a complete, self-consistent archive of step 18
+    copied to ``step_00000024_rank_00000`` must not restore as step 24. Staging and set-aside
+    directories carry the checkpoint's name before the first dot."""
+    base = name.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+    parsed = parse_checkpoint_name(base)
+    if parsed is None:
+        return
+    held = (manifest.get("name"), manifest.get("step"), manifest.get("rank"))
+    if held != (base, *parsed):
+        raise CheckpointFormatError(
+            f"{where}: holds {held[0]!r} (step {held[1]!r}, rank {held[2]!r}), not {base} "
+            "(a checkpoint copied or renamed under another step's name)")
 
 
 def _check_file(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, Any]) -> str:
@@ -326,8 +342,12 @@ def _read_verified(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, An
     return buf
 
 
-def read_organ(tier: RemoteTier, name: str) -> LoadedArchive:
+def read_organ(tier: RemoteTier, name: str, *, manifest_sha256: str | None = None
+               ) -> LoadedArchive:
     """Verify and load an archive; raises ``CheckpointFormatError`` instead of half-loading.
+
+    ``manifest_sha256``: the manifest digest the metadata store recorded when this checkpoint
+    was written; another archive in its place (an older copy, another run's) is refused.
 
     Each file is read exactly once into memory the returned tensors own: nothing stays mapped
     to the file, so a later change or removal of the file cannot reach the restored state. A
@@ -336,6 +356,10 @@ def read_organ(tier: RemoteTier, name: str) -> LoadedArchive:
     """
     manifest = read_manifest(tier, name)
     location = tier.path(name)
+    if manifest_sha256 is not None and manifest["self_sha256"] != manifest_sha256:
+        raise IntegrityError(f"{tier.path(name, MANIFEST_FILE)} (not the archive the metadata "
+                             "recorded for this step)", manifest_sha256,
+                             manifest["self_sha256"])
     files = manifest["files"]
     if STATE_FILE not in files or not (TENSORS_FILE in files or CONTAINER_FILE in files):
         raise CheckpointFormatError(
