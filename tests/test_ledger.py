@@ -1,4 +1,4 @@
-"""Young/Daly bounds and the failure ledger (JSON lines, torn tails, MTBF)."""
+"""Young/Daly bounds and the failure ledger (JSON lines, torn tails, damage, clocks, MTBF)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import json
 import logging
 import math
 import os
+import re
+import time
 from enum import Enum
 from pathlib import Path
 
 import pytest
 
-from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.scheduler.ledger import (
+    FUTURE_SLACK_SECONDS,
     FailureLedger,
     Interruption,
     daly_interval,
@@ -217,18 +219,171 @@ def test_complete_last_record_without_newline_is_kept(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("not json", r"failures\.jsonl:2: not a JSON record"),
-        ('{"v": 2, "kind": "run_start"}', "not a version-1 ledger record"),
-        ('{"v": 1, "kind": "reboot", "wall_time": 1}', "unknown record kind 'reboot'"),
-        ('{"v": 1, "kind": "run_end", "step": 3}', "run_end record lacks wall_time"),
+        ("not json", "line 2: not a JSON record"),
+        ('{"v": 2, "kind": "run_start"}', "line 2: not a version-1 ledger record"),
+        ('{"v": 1, "kind": "reboot", "wall_time": 1}', "line 2: unknown record kind 'reboot'"),
+        ('{"v": 1, "kind": "run_end", "step": 3}', "line 2: run_end record lacks wall_time"),
+        (
+            '{"v": 1, "kind": "run_start", "wall_time": "noon", "step": 0}',
+            "line 2: run_start record has wall_time='noon', not a int or float",
+        ),
+        (
+            '{"v": 1, "kind": "run_end", "wall_time": 1.0, "step": true}',
+            "line 2: run_end record has step=True, not a int",
+        ),
+        ("\x00\xff\x13 binary junk", "line 2: not a JSON record"),
     ],
 )
-def test_a_bad_line_before_the_end_is_an_error(tmp_path: Path, line: str, message: str) -> None:
+def test_a_bad_line_before_the_end_sets_the_file_aside_and_keeps_the_valid_records(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, line: str, message: str
+) -> None:
     lines = GOLDEN_V1.splitlines()
     path = tmp_path / "failures.jsonl"
-    path.write_text("\n".join([lines[0], line, *lines[1:]]) + "\n", encoding="utf-8")
-    with pytest.raises(CheckpointFormatError, match=message):
-        FailureLedger(path).interruptions()
+    damaged = "\n".join([lines[0], line, *lines[1:]]) + "\n"
+    path.write_bytes(damaged.encode("utf-8", "surrogateescape"))
+    ledger = FailureLedger(path)
+    with caplog.at_level(logging.WARNING, logger="ckptpilot"):
+        assert ledger.last_kind() == "run_start"
+    [aside] = tmp_path.glob("failures.jsonl.damaged-*")
+    assert aside.read_bytes() == damaged.encode("utf-8", "surrogateescape")
+    assert f"{path} is damaged ({message}" in caplog.text
+    assert f"kept it as {aside.name}" in caplog.text
+    assert path.read_text(encoding="utf-8") == GOLDEN_V1  # the valid records, unchanged
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptpilot"):
+        assert ledger.mtbf_seconds() == 400.0
+        assert ledger.interruptions() == [Interruption(1500.0, 1400.0, 420, 400, 20, "peer", 3.25)]
+        ledger.record_run_end(500, wall_time=1600.0)
+    assert caplog.text == ""
+    assert list(tmp_path.glob("failures.jsonl.damaged-*")) == [aside]
+    assert ledger.mtbf_seconds() == 500.0
+
+
+def test_a_file_of_garbage_is_set_aside_and_the_ledger_starts_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "failures.jsonl"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) + b"\n")
+    ledger = FailureLedger(path)
+    with caplog.at_level(logging.WARNING, logger="ckptpilot"):
+        assert ledger.mtbf_seconds() is None
+    assert re.search(r"is damaged \(line 1: not a JSON record .*, and 3 more bad line", caplog.text)
+    assert path.read_bytes() == b""
+    assert ledger.last_kind() is None
+    ledger.record_run_start(0, wall_time=10.0)
+    assert ledger.last_kind() == "run_start"
+    assert len(list(tmp_path.glob("failures.jsonl.damaged-*"))) == 1
+
+
+# -- ledger: clocks -------------------------------------------------------------------------
+
+
+def test_a_clock_stepped_back_during_a_run_leaves_its_uptime_unknown_never_zero(
+    tmp_path: Path,
+) -> None:
+    """The run started at 5000 on a clock running ahead; its last heartbeat says 4000."""
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=5000.0)
+    ledger.record_interruption(
+        failed_at=4000.0, last_step=90, recovered_step=80, source="remote", recovery_seconds=1.0
+    )
+    ledger.record_run_start(80, wall_time=4100.0)
+    assert ledger.mtbf_seconds() is None
+    assert ledger.mtbf_seconds(now=4200.0) is None
+    ledger.record_interruption(
+        failed_at=4100.0, last_step=85, recovered_step=80, source="remote", recovery_seconds=1.0
+    )  # zero seconds up: unknown too
+    assert ledger.mtbf_seconds() is None
+
+    ledger.record_run_start(80, wall_time=4200.0)
+    ledger.record_interruption(
+        failed_at=4500.0, last_step=95, recovered_step=90, source="remote", recovery_seconds=1.0
+    )
+    assert ledger.mtbf_seconds() == 300.0  # only the run of known duration counts
+    assert len(ledger.interruptions()) == 3  # every interruption is still on record
+
+
+def test_stamps_in_the_future_are_unknown(tmp_path: Path) -> None:
+    ahead = time.time() + 86_400.0  # written while the clock ran a day ahead
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=ahead)
+    ledger.record_interruption(
+        failed_at=ahead + 100.0, last_step=9, recovered_step=5, source="peer", recovery_seconds=1
+    )
+    assert ledger.mtbf_seconds() is None
+    assert ledger.mtbf_seconds(now=ahead + 200.0) == 100.0  # seen from that day, it is fine
+    ledger.record_run_start(5)
+    assert ledger.mtbf_seconds() is None
+    ledger.record_interruption(
+        failed_at=time.time() + FUTURE_SLACK_SECONDS / 2,  # a little ahead: another host
+        last_step=9,
+        recovered_step=5,
+        source="peer",
+        recovery_seconds=1,
+    )
+    mtbf = ledger.mtbf_seconds()
+    assert mtbf is not None and 0 < mtbf <= FUTURE_SLACK_SECONDS
+
+
+def test_a_recorded_uptime_wins_over_the_wall_clock(tmp_path: Path) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=5000.0)
+    record = ledger.record_interruption(
+        failed_at=4000.0,  # the wall clock went back an hour and more
+        last_step=90,
+        recovered_step=80,
+        source="memory",
+        recovery_seconds=1.0,
+        uptime_seconds=3600.0,  # the dead run's heartbeat: up an hour on the monotonic clock
+    )
+    assert record.uptime_seconds == 3600.0
+    assert FailureLedger(ledger.path).interruptions()[0].uptime_seconds == 3600.0
+    assert ledger.mtbf_seconds() == 3600.0
+    ledger.record_interruption(  # an interruption without a start record: its uptime counts
+        failed_at=1.0,
+        last_step=1,
+        recovered_step=0,
+        source="memory",
+        recovery_seconds=1.0,
+        uptime_seconds=1800.0,
+    )
+    assert ledger.mtbf_seconds() == 2700.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, math.nan, math.inf])
+def test_a_nonsense_uptime_is_recorded_as_unknown(tmp_path: Path, bad: float) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=1000.0)
+    record = ledger.record_interruption(
+        failed_at=1100.0,
+        last_step=9,
+        recovered_step=5,
+        source="peer",
+        recovery_seconds=1,
+        uptime_seconds=bad,
+    )
+    assert record.uptime_seconds is None
+    assert "uptime_seconds" not in json.loads(ledger.path.read_text().splitlines()[-1])
+    assert ledger.mtbf_seconds() == 100.0  # the wall clock's answer, which is sane here
+
+
+def test_a_run_the_ledger_saw_start_and_end_is_timed_on_the_monotonic_clock(
+    tmp_path: Path,
+) -> None:
+    ledger = FailureLedger(tmp_path / "failures.jsonl")
+    ledger.record_run_start(0, wall_time=1000.0)
+    ledger.record_interruption(
+        failed_at=1100.0, last_step=9, recovered_step=5, source="peer", recovery_seconds=1
+    )
+    before = time.monotonic()
+    ledger.record_run_start(5)
+    ledger.record_run_end(50)
+    bound = time.monotonic() - before
+    end = json.loads(ledger.path.read_text().splitlines()[-1])
+    assert end["kind"] == "run_end" and 0 <= end["uptime_seconds"] <= bound
+    mtbf = ledger.mtbf_seconds()
+    assert mtbf is not None and 100.0 <= mtbf <= 100.0 + bound
 
 
 def test_invalid_interruption_values_are_refused(tmp_path: Path) -> None:

@@ -8,20 +8,39 @@ This module owns two things:
   runs started, ended cleanly and were interrupted, from which the observed MTBF is derived.
 
 It must not decide when to save (the scheduler does, from the bound) nor find out *that* a run
-was interrupted (the pilot does, from its heartbeats, and records it here). It never reads the
-clock except to stamp a record whose caller gave no ``wall_time``.
+was interrupted (the pilot does, from its heartbeats, and records it here). It reads the clock
+only to stamp a record whose caller gave no ``wall_time``, to time a run it saw start and end
+itself, and to tell a stamp from the future when asked for the MTBF without ``now``.
 
 Record format, one JSON object per line, version 1 (``"v": 1``), ``"kind"`` one of:
 
 * ``run_start``: ``wall_time``, ``step`` — a run (or a resumed run) began at this step;
-* ``run_end``: ``wall_time``, ``step`` — that run ended cleanly;
+* ``run_end``: ``wall_time``, ``step``, optional ``uptime_seconds`` — that run ended cleanly;
 * ``interruption``: ``wall_time`` (when recorded), ``failed_at`` (wall time the interrupted run
   was last seen alive), ``last_step``, ``recovered_step``, ``steps_lost``, ``source``,
-  ``recovery_seconds``.
+  ``recovery_seconds``, optional ``uptime_seconds``.
+
+Readers ignore fields they do not know, so an optional field needs no new version.
+
+Durations: wall times only stamp records. ``uptime_seconds`` is how long the run was up,
+measured on the monotonic clock (by this ledger between its own start and end records, or by
+the dead run's heartbeat writer), so a wall clock stepped back or ahead while the run lived
+does not change it. Without it a run's uptime is the difference of two wall stamps, which a
+clock step can make negative, zero, or end in the future: such a duration is unknown, and a
+run of unknown duration counts neither its uptime nor its interruption in the MTBF. Counting
+the interruption with no uptime would drag the MTBF towards 0 (and a 0 is no MTBF at all).
+
+Damage: a killed writer leaves at most a torn last line; readers skip it with a warning and
+the next append cuts it off first. Any other line that is not a valid record means the file
+was damaged otherwise (a bad disk block, an edit, a newer ckptpilot's records). The file is
+then set aside (``damaged.py``: renamed ``<name>.damaged-<unix time>``, a WARNING names it and
+the first bad line) and a fresh file holding its valid records takes its place. The valid
+records are kept rather than dropped because each line stands alone and the MTBF pairs a
+run's start with its end only when both are present: a missing line makes at most one run's
+duration unknown, never a wrong one, whereas starting empty would forget every earlier run.
 
 Threading and lifecycle: one writer (one process, e.g. rank 0, on one thread) per file. Each
-append is a single ``write`` followed by ``fsync``, so a killed writer leaves at most one torn
-last line; readers skip it with a warning and the next append cuts it off first.
+append is a single ``write`` followed by ``fsync``.
 """
 
 from __future__ import annotations
@@ -37,8 +56,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.scheduler.damaged import set_aside
 
 __all__ = [
+    "FUTURE_SLACK_SECONDS",
     "LEDGER_VERSION",
     "FailureLedger",
     "Interruption",
@@ -50,6 +71,22 @@ log = logging.getLogger("ckptpilot")
 
 LEDGER_VERSION = 1
 
+FUTURE_SLACK_SECONDS = 60.0
+"""A wall stamp up to this far after the present still counts: a run resumed on another host
+reads a clock that may differ a little from the one that stamped the dead run's records."""
+
+_NUMBER = (int, float)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "wall_time": _NUMBER,
+    "failed_at": _NUMBER,
+    "recovery_seconds": _NUMBER,
+    "uptime_seconds": _NUMBER,
+    "step": (int,),
+    "last_step": (int,),
+    "recovered_step": (int,),
+    "steps_lost": (int,),
+    "source": (str,),
+}
 _FIELDS: dict[Any, tuple[str, ...]] = {
     "run_start": ("wall_time", "step"),
     "run_end": ("wall_time", "step"),
@@ -98,8 +135,9 @@ def daly_interval(delta: float, mtbf: float) -> float:
 @dataclasses.dataclass(frozen=True)
 class Interruption:
     """One recorded interruption: the run last seen alive at ``failed_at`` (wall time, s)
-    at ``last_step``, resumed from ``recovered_step`` read from ``source`` in
-    ``recovery_seconds``; ``wall_time`` is when the record was written."""
+    at ``last_step``, after ``uptime_seconds`` up (None: unknown), resumed from
+    ``recovered_step`` read from ``source`` in ``recovery_seconds``; ``wall_time`` is when the
+    record was written."""
 
     wall_time: float
     failed_at: float
@@ -108,6 +146,7 @@ class Interruption:
     steps_lost: int
     source: str
     recovery_seconds: float
+    uptime_seconds: float | None = None
 
 
 class FailureLedger:
@@ -115,20 +154,40 @@ class FailureLedger:
 
     Lifecycle: the pilot calls :meth:`record_run_start` when a run (or resumed run) starts,
     :meth:`record_interruption` when ``restore()`` finds that the previous run died (before
-    its own ``record_run_start``), and :meth:`record_run_end` on a clean ``close()``. The file
-    is created on the first append; reading a missing file yields no records.
+    its own ``record_run_start``), and :meth:`record_run_end` on a clean ``close()``, all on
+    one ledger object: a run whose start and end it stamped itself gets its uptime from the
+    monotonic clock. The file is created on the first append; reading a missing file yields
+    no records; reading a damaged one sets it aside (see the module docstring).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._started_monotonic: float | None = None
 
     def record_run_start(self, step: int, *, wall_time: float | None = None) -> None:
-        """Record that a run started (or resumed) at ``step``."""
+        """Record that a run started (or resumed) at ``step``.
+
+        Without ``wall_time`` the ledger stamps the start itself and also notes the monotonic
+        clock, from which :meth:`record_run_end` measures the run's uptime.
+        """
         self._append({"kind": "run_start", "wall_time": _now(wall_time), "step": int(step)})
+        self._started_monotonic = time.monotonic() if wall_time is None else None
 
     def record_run_end(self, step: int, *, wall_time: float | None = None) -> None:
-        """Record a clean end at ``step``; without it the run's uptime cannot be counted."""
-        self._append({"kind": "run_end", "wall_time": _now(wall_time), "step": int(step)})
+        """Record a clean end at ``step``; without it the run's uptime cannot be counted.
+
+        When this ledger stamped the run's start and is left to stamp the end too, the record
+        carries ``uptime_seconds`` from the monotonic clock.
+        """
+        record: dict[str, Any] = {
+            "kind": "run_end",
+            "wall_time": _now(wall_time),
+            "step": int(step),
+        }
+        if wall_time is None and self._started_monotonic is not None:
+            record["uptime_seconds"] = time.monotonic() - self._started_monotonic
+        self._started_monotonic = None
+        self._append(record)
 
     def record_interruption(
         self,
@@ -138,13 +197,17 @@ class FailureLedger:
         recovered_step: int,
         source: str,
         recovery_seconds: float,
+        uptime_seconds: float | None = None,
         wall_time: float | None = None,
     ) -> Interruption:
         """Record one interruption and return it.
 
-        ``failed_at`` is the wall time the dead run was last seen alive (its last heartbeat),
-        which ends its uptime. ``steps_lost`` is derived as ``last_step − recovered_step``
-        (0 if the recovered step is ahead of the last heartbeat).
+        ``failed_at`` is the wall time the dead run was last seen alive (its last heartbeat).
+        ``uptime_seconds`` is how long it had been up then, on the monotonic clock (the last
+        heartbeat's ``uptime_seconds``); pass it whenever known, since the wall clock may have
+        been stepped meanwhile. A value that is not a positive finite number is recorded as
+        unknown. ``steps_lost`` is derived as ``last_step − recovered_step`` (0 if the
+        recovered step is ahead of the last heartbeat).
         """
         failed_at = float(failed_at)
         recovery_seconds = float(recovery_seconds)
@@ -160,8 +223,12 @@ class FailureLedger:
             steps_lost=max(0, int(last_step) - int(recovered_step)),
             source=str(getattr(source, "value", source)),
             recovery_seconds=recovery_seconds,
+            uptime_seconds=_duration(uptime_seconds),
         )
-        self._append({"kind": "interruption", **dataclasses.asdict(record)})
+        fields = dataclasses.asdict(record)
+        if record.uptime_seconds is None:
+            del fields["uptime_seconds"]
+        self._append({"kind": "interruption", **fields})
         return record
 
     def last_kind(self) -> str | None:
@@ -179,34 +246,50 @@ class FailureLedger:
         ]
 
     def mtbf_seconds(self, now: float | None = None) -> float | None:
-        """Observed run time divided by the number of interruptions; None without any.
+        """Observed uptime divided by the number of interruptions: a positive finite number,
+        or None while unknown (no interruption of known duration).
 
-        A run's uptime runs from its ``run_start`` to the first of: the ``failed_at`` of the
-        next interruption, its ``run_end``, or ``now`` for a run still going (pass ``now`` to
-        count it). A run followed by another start with neither record between counts no
-        uptime: an unknown end is taken pessimistically, which shortens the interval.
+        A run's uptime is its end record's ``uptime_seconds`` or, without one, the wall time
+        from its ``run_start`` to the ``failed_at`` of the next interruption or to its
+        ``run_end``; a wall-clock duration that is not positive, or that ends more than
+        :data:`FUTURE_SLACK_SECONDS` after ``now`` (default: the clock), is unknown. A run of
+        unknown duration is left out, interruption and all. A run still going counts up to
+        ``now`` only when ``now`` is passed.
         """
+        present = time.time() if now is None else float(now)
         uptime = 0.0
         failures = 0
-        started: float | None = None
+        left_out = 0
+        start: dict[str, Any] | None = None
         for record in self._records():
             kind = record["kind"]
             if kind == "run_start":
-                started = record["wall_time"]
-            elif kind == "run_end":
-                if started is not None:
-                    uptime += max(0.0, record["wall_time"] - started)
-                started = None
-            elif kind == "interruption":
+                start = record
+                continue
+            end = record["failed_at"] if kind == "interruption" else record["wall_time"]
+            seconds = _duration(record.get("uptime_seconds"))
+            if seconds is None and start is not None:
+                seconds = _wall_duration(start["wall_time"], end, present)
+            start = None
+            if seconds is None:
+                left_out += 1
+                continue
+            uptime += seconds
+            if kind == "interruption":
                 failures += 1
-                if started is not None:
-                    uptime += max(0.0, record["failed_at"] - started)
-                started = None
         if failures == 0:
             return None
-        if started is not None and now is not None:
-            uptime += max(0.0, now - started)
-        return uptime / failures
+        if start is not None and now is not None:
+            uptime += _wall_duration(start["wall_time"], present, present) or 0.0
+        if left_out:
+            log.info(
+                "%s: %d run(s) of unknown duration left out of the MTBF (a wall clock stepped "
+                "back or ahead, or an end without a start)",
+                self.path,
+                left_out,
+            )
+        mtbf = uptime / failures
+        return mtbf if math.isfinite(mtbf) and mtbf > 0 else None
 
     def _records(self) -> list[dict[str, Any]]:
         try:
@@ -214,47 +297,50 @@ class FailureLedger:
         except FileNotFoundError:
             return []
         torn = lines.pop()  # after the last newline: b"" unless the last write was cut short
-        records = [self._parse(line, number) for number, line in enumerate(lines, 1) if line]
+        records: list[dict[str, Any]] = []
+        bad: list[str] = []
+        for number, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                records.append(_parse(line, number))
+            except CheckpointFormatError as exc:
+                bad.append(str(exc))
         if torn:
             try:
-                records.append(self._parse(torn, len(lines) + 1))
+                records.append(_parse(torn, len(lines) + 1))
             except CheckpointFormatError as exc:
                 log.warning("%s: skipping the torn last line (%s)", self.path, exc)
+        if bad:
+            self._replace_damaged(records, bad)
         return records
 
-    def _parse(self, line: bytes, number: int) -> dict[str, Any]:
-        try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointFormatError(
-                f"{self.path}:{number}: not a JSON record ({exc}); "
-                "move the file aside to start a fresh failure ledger"
-            ) from exc
-        if not isinstance(record, dict) or record.get("v") != LEDGER_VERSION:
-            raise CheckpointFormatError(
-                f"{self.path}:{number}: not a version-{LEDGER_VERSION} ledger record: {line[:80]!r}"
-            )
-        required = _FIELDS.get(record.get("kind"))
-        if required is None:
-            raise CheckpointFormatError(
-                f"{self.path}:{number}: unknown record kind {record.get('kind')!r}"
-            )
-        missing = [name for name in required if name not in record]
-        if missing:
-            raise CheckpointFormatError(
-                f"{self.path}:{number}: {record['kind']} record lacks {', '.join(missing)}"
-            )
-        return record
+    def _replace_damaged(self, records: list[dict[str, Any]], bad: list[str]) -> None:
+        """Set the file aside and put a fresh one holding ``records`` in its place."""
+        temporary = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        with open(temporary, "wb") as file:
+            file.write(b"".join(_line(record) for record in records))
+            file.flush()
+            os.fsync(file.fileno())
+        more = f", and {len(bad) - 1} more bad line(s)" if len(bad) > 1 else ""
+        set_aside(
+            self.path,
+            f"{bad[0]}{more}",
+            f"the fresh one holds its {len(records)} valid record(s); the MTBF goes on without "
+            "the bad line(s)",
+        )
+        os.replace(temporary, self.path)
+        _fsync_dir(self.path.parent)
 
     def _append(self, fields: dict[str, Any]) -> None:
-        line = json.dumps({"v": LEDGER_VERSION, **fields}, allow_nan=False) + "\n"
+        line = _line({"v": LEDGER_VERSION, **fields})
         created = not self.path.exists()
         if created:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             self._repair_tail(fd)
-            os.write(fd, line.encode("utf-8"))
+            os.write(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -280,12 +366,59 @@ class FailureLedger:
             start = chunk_start
         tail = os.pread(fd, size - start, start)
         try:
-            self._parse(tail, 0)
+            _parse(tail, 0)
         except CheckpointFormatError:
             log.warning("%s: cutting off a torn last line of %d bytes", self.path, len(tail))
             os.ftruncate(fd, start)
         else:
             os.write(fd, b"\n")
+
+
+def _parse(line: bytes, number: int) -> dict[str, Any]:
+    """One valid record; :class:`CheckpointFormatError` naming the line and its fault."""
+    try:
+        record = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"line {number}: not a JSON record ({exc})") from exc
+    if not isinstance(record, dict) or record.get("v") != LEDGER_VERSION:
+        raise CheckpointFormatError(
+            f"line {number}: not a version-{LEDGER_VERSION} ledger record: {line[:80]!r}"
+        )
+    required = _FIELDS.get(record.get("kind"))
+    if required is None:
+        raise CheckpointFormatError(f"line {number}: unknown record kind {record.get('kind')!r}")
+    missing = [name for name in required if name not in record]
+    if missing:
+        raise CheckpointFormatError(
+            f"line {number}: {record['kind']} record lacks {', '.join(missing)}"
+        )
+    for name, types in _FIELD_TYPES.items():
+        value = record.get(name)
+        if name in record and (isinstance(value, bool) or not isinstance(value, types)):
+            raise CheckpointFormatError(
+                f"line {number}: {record['kind']} record has {name}={value!r}, not a "
+                f"{' or '.join(t.__name__ for t in types)}"
+            )
+    return record
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _duration(value: Any) -> float | None:
+    """``value`` as a duration in seconds if it is a positive finite number, else None."""
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
+def _wall_duration(start: float, end: float, present: float) -> float | None:
+    """``end − start`` of two wall stamps, or None when a clock step makes it nonsense."""
+    if not end <= present + FUTURE_SLACK_SECONDS:  # also false for NaN
+        return None
+    return _duration(end - start)
 
 
 def _interruption(record: dict[str, Any]) -> Interruption:
@@ -297,6 +430,7 @@ def _interruption(record: dict[str, Any]) -> Interruption:
         steps_lost=int(record["steps_lost"]),
         source=str(record["source"]),
         recovery_seconds=float(record["recovery_seconds"]),
+        uptime_seconds=_duration(record.get("uptime_seconds")),
     )
 
 
