@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import statistics
@@ -528,8 +529,41 @@ def test_cost_model_is_ignored_without_young_daly() -> None:
     assert scheduler.base_interval == 5000
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
-def test_cost_model_rejects_invalid_values(bad: float) -> None:
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, -math.inf, True, "7"])
+@pytest.mark.parametrize("name", ["save_seconds", "mtbf_seconds", "step_seconds"])
+def test_a_bad_cost_counts_as_unknown_with_one_warning(
+    caplog: pytest.LogCaptureFixture, name: str, bad: object
+) -> None:
+    policy = SchedulerPolicy(base_interval=5000, max_interval=10_000)
+    scheduler = AdaptiveCheckpointScheduler(policy)
+    good = {"save_seconds": 300.0, "mtbf_seconds": 6 * 3600.0, "step_seconds": 1.0}
+    with caplog.at_level(logging.WARNING, logger="ckptpilot"):
+        scheduler.set_cost_model(**{**good, name: bad})  # type: ignore[arg-type]
+        assert scheduler.base_interval == 5000  # as with None: no cap
+        scheduler.set_cost_model(**{**good, name: bad})  # type: ignore[arg-type]
+    assert len(caplog.records) == 1
+    assert f"{name}={bad!r} is not a positive finite number" in caplog.text
+    scheduler.set_cost_model(**good)
+    assert scheduler.base_interval == 3402  # a good value brings the cap back
+    assert saved_steps(run_calm(scheduler, range(1, 3500))) == [3402]
+
+
+@pytest.mark.parametrize("young_daly", [False, True])
+def test_an_mtbf_of_zero_never_stops_the_run(young_daly: bool) -> None:
+    """A ledger whose clock went backwards once gave 0.0, and every restart then raised."""
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(young_daly=young_daly))
+    for step in range(1, 301):
+        scheduler.set_cost_model(0.01, 0.0, 0.05)
+        decision = scheduler.decide_from(step, CALM)
+        assert decision.interval == 100
+    assert scheduler.base_interval == 100
+    assert saved_steps([scheduler.decide_from(400, CALM)]) == [400]
+
+
+@pytest.mark.parametrize(
+    ("save", "mtbf", "step"), [(1e308, 1e308, 1.0), (1.0, 1e300, 1e-300), (1e-300, 1e-300, 1.0)]
+)
+def test_extreme_but_valid_costs_never_raise(save: float, mtbf: float, step: float) -> None:
     scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
-    with pytest.raises(ValueError, match="step_seconds"):
-        scheduler.set_cost_model(1.0, 100.0, bad)
+    scheduler.set_cost_model(save, mtbf, step)
+    assert scheduler.policy.min_interval <= scheduler.base_interval <= 100

@@ -8,11 +8,13 @@ reading last acted on, whether the score trigger is armed).
 
 It must not do I/O, read a clock, import numpy or torch, or talk to other ranks: health
 readings, costs and agreed signals arrive as data, and the caller (the pilot) does the saving,
-the logging and the collective. Same inputs in the same order give the same decisions.
+the logging and the collective. Same inputs in the same order give the same decisions. The one
+line it logs itself warns of a cost it was handed and had to drop as unusable.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 
@@ -22,6 +24,8 @@ from ckptpilot.scheduler.ledger import daly_interval
 from ckptpilot.scheduler.signals import GradActivity, LossTrend
 
 __all__ = ["MAX_SCORE_REDUCTION", "SIGNAL_KEYS", "AdaptiveCheckpointScheduler"]
+
+log = logging.getLogger("ckptpilot")
 
 SIGNAL_KEYS = ("loss", "grad", "system", "hard_errors", "non_finite")
 """Keys of :meth:`AdaptiveCheckpointScheduler.measure`; a fixed order for the cross-rank max."""
@@ -86,6 +90,7 @@ class AdaptiveCheckpointScheduler:
         self._hard_errors_acted_on = 0
         self._trigger_armed = True
         self._non_finite_note: tuple[int, str] | None = None
+        self._bad_costs_reported: set[str] = set()
 
     @property
     def base_interval(self) -> int:
@@ -109,14 +114,15 @@ class AdaptiveCheckpointScheduler:
         comes from the failure ledger and ``step_seconds`` is the mean step time. The cap
         applies only with ``young_daly: true`` and all three known; it never goes below
         ``min_interval``. Passing ``None`` for any of them removes the cap.
+
+        These are measurements handed over while training runs, so a bad one must not stop
+        the run: a value that is not a positive finite number counts as unknown (``None``),
+        with a WARNING the first time each cost is bad, and the interval falls back to the
+        policy's, which is what it is without a cost model.
         """
-        for name, value in (
-            ("save_seconds", save_seconds),
-            ("mtbf_seconds", mtbf_seconds),
-            ("step_seconds", step_seconds),
-        ):
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+        save_seconds = self._known_cost("save_seconds", save_seconds)
+        mtbf_seconds = self._known_cost("mtbf_seconds", mtbf_seconds)
+        step_seconds = self._known_cost("step_seconds", step_seconds)
         base = self.policy.base_interval
         if (
             self.policy.young_daly
@@ -124,9 +130,26 @@ class AdaptiveCheckpointScheduler:
             and mtbf_seconds is not None
             and step_seconds is not None
         ):
-            bound_steps = math.floor(daly_interval(save_seconds, mtbf_seconds) / step_seconds)
-            base = max(self.policy.min_interval, min(base, bound_steps))
+            bound_steps = daly_interval(save_seconds, mtbf_seconds) / step_seconds
+            if bound_steps < base:  # also False for an infinite bound: no cap
+                base = max(self.policy.min_interval, math.floor(bound_steps))
         self._base = base
+
+    def _known_cost(self, name: str, value: float | None) -> float | None:
+        if value is None:
+            return None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and math.isfinite(value) and value > 0:
+            return float(value)
+        if name not in self._bad_costs_reported:
+            self._bad_costs_reported.add(name)
+            log.warning(
+                "scheduler cost model: %s=%r is not a positive finite number; treating it as "
+                "unknown, so the Young/Daly bound is off while it stays so",
+                name,
+                value,
+            )
+        return None
 
     def note_save(self, step: int, level: Level | str) -> None:
         """Record a save the scheduler did not decide (forced, or the restored checkpoint)."""
