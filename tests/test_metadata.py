@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import re
 import sqlite3
 import threading
 import time
@@ -456,6 +457,217 @@ def test_a_store_carried_across_fork_opens_its_own_connections(tmp_path: Path) -
         assert child.exitcode == 0
         assert [r.step for r in store.rows()] == [2, 1]
         assert store.verify_chain("run", 0, "remote") == []
+
+
+# --- damaged files, unusable file systems, read-only stores -------------------------------------
+
+
+def _filled(path: Path, rows: int = 60) -> None:
+    with MetadataStore(path) as store:
+        for step in range(1, rows + 1):
+            add(store, step, note="x" * 500)
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 40)
+
+
+def _truncated(path: Path) -> None:
+    _filled(path)
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+
+
+def _header_zeroed(path: Path) -> None:
+    _filled(path)
+    data = bytearray(path.read_bytes())
+    data[:100] = bytes(100)
+    path.write_bytes(bytes(data))
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+    (path / "stray").write_text("not a database")
+
+
+DAMAGE = {"garbage": _garbage, "truncated": _truncated, "header zeroed": _header_zeroed,
+          "a directory": _directory}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("read_only", [False, True], ids=["writable", "read-only"])
+def test_a_damaged_file_is_refused_naming_it_and_the_rebuild(
+        tmp_path: Path, damage: str, read_only: bool) -> None:
+    path = tmp_path / "metadata.sqlite"
+    DAMAGE[damage](path)
+    before = path.read_bytes() if path.is_file() else None
+    with pytest.raises(metadata.MetadataCorruptError,
+                       match=rf"^{re.escape(str(path))}.*(damaged|is a directory).*"
+                             r"`ckptpilot validate --rebuild` moves it aside \(kept, not "
+                             r"deleted\)"):
+        MetadataStore(path, read_only=read_only)
+    if before is not None:
+        assert path.read_bytes() == before
+
+
+def test_damage_beyond_the_pages_read_at_open_is_reported_by_the_query_that_meets_it(
+        tmp_path: Path) -> None:
+    path = tmp_path / "metadata.sqlite"
+    _filled(path)
+    data = bytearray(path.read_bytes())
+    data[-4096:] = b"\xff" * 4096  # the last page: rows, not the schema
+    path.write_bytes(bytes(data))
+    with MetadataStore(path) as store, pytest.raises(
+            metadata.MetadataCorruptError,
+            match=r"database disk image is malformed.*validate --rebuild"):
+        store.rows()
+
+
+def test_a_full_disk_is_a_clear_error_and_the_file_stays_usable(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.sqlite"
+    with MetadataStore(path) as store:
+        first = add(store, 1)
+        with store._read() as conn:  # the pooled connection every later call reuses
+            pages = conn.exec_driver_sql("PRAGMA page_count").scalar()
+            conn.exec_driver_sql(f"PRAGMA max_page_count={pages}")
+        with pytest.raises(metadata.MetadataAccessError,
+                           match=rf"^{re.escape(str(path))}: the disk is full \(database or "
+                                 r"disk is full\); free space"):
+            for step in range(2, 200):
+                add(store, step, note="x" * 3000)
+    with MetadataStore(path) as store:
+        assert store.rows()[-1] == first
+        assert store.verify_chain("run", 0, "remote") == []
+
+
+def test_a_write_the_file_system_refuses_is_a_clear_error(tmp_path: Path) -> None:
+    """A WAL writer needs the ``-shm`` file; a directory in its place stands in for a
+    directory this user cannot write (root ignores permissions, so chmod cannot)."""
+    path = tmp_path / "metadata.sqlite"
+    MetadataStore(path).close()
+    (tmp_path / "metadata.sqlite-shm").mkdir()
+    with MetadataStore(path) as store, pytest.raises(
+            metadata.MetadataAccessError,
+            match=rf"^{re.escape(str(path))}: cannot write the metadata database \(attempt to "
+                  r"write a readonly database\); make .* writable; `ckptpilot ls`"):
+        add(store, 1)
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+def test_a_read_only_store_reads_creates_nothing_and_refuses_every_write(
+        tmp_path: Path) -> None:
+    path = tmp_path / "metadata.sqlite"
+    with MetadataStore(path) as store:
+        row = add(store, 1)
+        store.audit("recover", {"step": 1})
+    before = _snapshot(tmp_path)
+    assert sorted(before) == ["metadata.sqlite"]
+    with MetadataStore(path, read_only=True) as store:
+        assert store.read_only
+        assert store.rows() == [row] and store.get(row.key) == row
+        assert store.schema_version == SCHEMA_VERSION
+        assert [e.action for e in store.audit_log()] == ["recover"]
+        assert store.run_ids() == {"run": 1}
+        writes = {
+            "add_pending": lambda: add(store, 2),
+            "mark": lambda: store.mark(row.id, Status.VALID),
+            "set_metric": lambda: store.set_metric(row.id, "loss", 1.0),
+            "pin_milestone": lambda: store.pin_milestone(1, "keep"),
+            "audit": lambda: store.audit("prune", {}),
+            "adopt_run_id": lambda: store.adopt_run_id("run", "other"),
+        }
+        for name, write in writes.items():
+            with pytest.raises(metadata.MetadataAccessError,
+                               match=rf"^{re.escape(str(path))}: this store was opened "
+                                     "read-only and cannot be changed"):
+                write()
+            assert _snapshot(tmp_path) == before, name
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_read_only_store_never_touches_the_shm_file_of_a_closed_database(
+        tmp_path: Path) -> None:
+    """``mode=ro`` alone would create ``-wal`` and ``-shm``; with a directory squatting on the
+    ``-shm`` name the read-only store still reads, and the names stay as they were."""
+    path = tmp_path / "metadata.sqlite"
+    with MetadataStore(path) as store:
+        row = add(store, 1)
+    (tmp_path / "metadata.sqlite-shm").mkdir()
+    with MetadataStore(path, read_only=True) as store:
+        assert store.rows() == [row]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metadata.sqlite",
+                                                          "metadata.sqlite-shm"]
+
+
+def test_a_read_only_store_sees_every_commit_of_a_live_writer(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.sqlite"
+    with MetadataStore(path) as writer:
+        first = add(writer, 1)
+        assert (tmp_path / "metadata.sqlite-wal").exists()  # the commit is in the log only
+        with MetadataStore(path, read_only=True) as reader:
+            assert reader.rows() == [first]
+            second = add(writer, 2)
+            assert reader.rows() == [second, first]
+
+
+def test_a_read_only_store_refuses_a_missing_or_old_file_and_creates_nothing(
+        tmp_path: Path) -> None:
+    missing = tmp_path / "missing.sqlite"
+    with pytest.raises(metadata.MetadataAccessError,
+                       match=rf"^{re.escape(str(missing))}: no such file; a read-only store"):
+        MetadataStore(missing, read_only=True)
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    with pytest.raises(MetadataSchemaError,
+                       match=r"schema version 0 is older than this ckptpilot's \(1\) and a "
+                             "read-only store cannot upgrade it"):
+        MetadataStore(empty, read_only=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.sqlite"]
+    assert empty.read_bytes() == b""
+
+
+# --- run ids -----------------------------------------------------------------------------------
+
+
+def test_adopt_run_id_rekeys_rows_and_audit_in_one_audited_step(store: MetadataStore) -> None:
+    for step in (1, 2, 3):
+        add(store, step, run_id="legacy-folder")
+    add(store, 1, run_id="legacy-folder", rank=1)
+    store.mark(("legacy-folder", 3, 0, "remote"), Status.CORRUPTED)
+    add(store, 3, run_id="legacy-folder")  # replaces the corrupted row: a "replace" audit
+    store.pin_milestone(2, "keep", run_id="legacy-folder")
+    add(store, 1, run_id="someone-else")
+    before = {(r.step, r.rank): r for r in store.rows("legacy-folder")}
+
+    assert store.adopt_run_id("legacy-folder", "a1b2c3") == 4
+    assert store.run_ids() == {"a1b2c3": 4, "someone-else": 1}
+    after = {(r.step, r.rank): r for r in store.rows("a1b2c3")}
+    assert after.keys() == before.keys()
+    for key, row in after.items():
+        old = before[key]
+        assert (row.id, row.sha256, row.prev_sha256, row.status, row.retention_class) == (
+            old.id, old.sha256, old.prev_sha256, old.status, old.retention_class)
+    assert store.verify_chain("a1b2c3", 0, "remote") == []
+    audit = store.audit_log()
+    assert [e.details["run_id"] for e in audit if e.action in ("replace", "pin")] == [
+        "a1b2c3", "a1b2c3"]
+    assert audit[-1].action == "adopt-run-id"
+    assert audit[-1].details == {"old": "legacy-folder", "new": "a1b2c3", "rows": 4}
+
+    assert store.adopt_run_id("legacy-folder", "a1b2c3") == 0  # nothing left to adopt
+    assert len(store.audit_log()) == len(audit)
+
+
+def test_adopt_run_id_never_merges_two_runs(store: MetadataStore) -> None:
+    add(store, 1, run_id="old")
+    add(store, 5, run_id="new")
+    assert store.adopt_run_id("old", "new") == 0
+    assert store.run_ids() == {"new": 1, "old": 1}
+    assert store.adopt_run_id("same", "same") == 0
+    with pytest.raises(ValueError, match="run ids must not be empty"):
+        store.adopt_run_id("", "new")
 
 
 # --- concurrency: real processes, real contention ---------------------------------------------

@@ -41,6 +41,20 @@ Storage decisions:
   version and ``_MIGRATIONS`` is an ordered tuple of functions with frozen DDL; opening the
   store applies the missing ones in one write transaction, so concurrent openers serialise on
   the write lock and a failed migration leaves the file untouched.
+- **SQLite's own errors never escape.** A damaged file (SQLITE_CORRUPT, SQLITE_NOTADB, or a
+  directory in its place) raises :class:`MetadataCorruptError`, which names the file and the
+  command that rebuilds it; a file out of reach (unwritable, disk full, I/O error) raises
+  :class:`MetadataAccessError`. Both come from the constructor and from every method, because
+  a partly damaged file may open cleanly and fail on the first page a query touches. Any other
+  SQLite error is a bug in this module and is raised as is.
+- **Read-only stores create nothing** (``read_only=True``, for listing and dry runs). Opening
+  a WAL database with ``mode=ro`` still creates the ``-wal`` and ``-shm`` files, and fails
+  where the directory is not writable; so a file without a ``-wal`` file (every commit is in
+  the main file) is opened ``immutable=1``, which reads the main file alone, without locks.
+  A ``-wal`` file means a writer is live or died mid-run: then ``mode=ro`` reads the log too,
+  under the usual locks. Each read transaction opens its own connection, so a writer that
+  starts meanwhile is seen by the next read; one that checkpoints its first log during an
+  immutable read could show that read a half-copied page, which is reported as such.
 
 Threading and processes: a store may be shared by the threads of one process (every call
 checks a connection out of the pool for the duration of one transaction). Each process must
@@ -76,7 +90,9 @@ __all__ = [
     "AuditEntry",
     "CheckpointRow",
     "DuplicateCheckpointError",
+    "MetadataAccessError",
     "MetadataBusyError",
+    "MetadataCorruptError",
     "MetadataSchemaError",
     "MetadataStore",
     "RowKey",
@@ -120,7 +136,31 @@ _BUSY_TIMEOUT_SECONDS = 30.0
 _LOCK_POLL_SECONDS = 0.002
 _WRITE_OPTION = "ckptpilot_write"
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+# SQLite primary result codes and their messages; the messages identify an error where Python
+# (before 3.11) does not expose the code.
+_SQLITE_PERM = 3
 _SQLITE_BUSY = 5
+_SQLITE_READONLY = 8
+_SQLITE_IOERR = 10
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_CANTOPEN = 14
+_SQLITE_NOTADB = 26
+_SQLITE_MESSAGES = {
+    _SQLITE_PERM: "access permission denied",
+    _SQLITE_BUSY: "database is locked",
+    _SQLITE_READONLY: "attempt to write a readonly database",
+    _SQLITE_IOERR: "disk I/O error",
+    _SQLITE_CORRUPT: "database disk image is malformed",
+    _SQLITE_FULL: "database or disk is full",
+    _SQLITE_CANTOPEN: "unable to open database file",
+    _SQLITE_NOTADB: "file is not a database",
+}
+_REBUILD_HINT = ("`ckptpilot validate --rebuild` moves it aside (kept, not deleted) and rebuilds "
+                 "the database from the checkpoints")
+_READ_ONLY_HINT = ("`ckptpilot ls`, `validate --dry-run` and `recover --dry-run` only read and "
+                   "work without write access")
 
 # Fields a caller may change after insertion. Identity (run, step, rank, tier, level), the
 # digest and its chain link, and created_at are fixed at add_pending; removed_at is set only
@@ -138,6 +178,16 @@ class MetadataSchemaError(CkptPilotError, RuntimeError):
 
 class MetadataBusyError(CkptPilotError, TimeoutError):
     """No write lock within the busy timeout: another process holds a write transaction."""
+
+
+class MetadataCorruptError(CkptPilotError, RuntimeError):
+    """The database file is damaged, or something that is not a database sits at its path;
+    ``ckptpilot validate --rebuild`` sets it aside and rebuilds it from the checkpoints."""
+
+
+class MetadataAccessError(CkptPilotError, RuntimeError):
+    """The database cannot be opened or changed: an unwritable directory or file, a full disk,
+    an I/O error, or a write to a store opened read-only. The file itself is not at fault."""
 
 
 class StatusTransitionError(CkptPilotError, ValueError):
@@ -326,9 +376,17 @@ _SCHEMA_VERSION_DDL = """
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_busy(error: sqlite3.OperationalError) -> bool:
+def _sqlite_code(error: BaseException) -> int | None:
+    """The primary SQLite result code of a driver error (None when it is not a known one)."""
     code = getattr(error, "sqlite_errorcode", None)
-    return code == _SQLITE_BUSY if code is not None else "database is locked" in str(error)
+    if code is not None:
+        return int(code) & 0xFF  # extended codes keep the primary code in the low byte
+    text = str(error)
+    return next((c for c, message in _SQLITE_MESSAGES.items() if message in text), None)
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    return _sqlite_code(error) == _SQLITE_BUSY
 
 
 def _enum(kind: type[Enum], value: object, field: str) -> Any:
@@ -372,16 +430,32 @@ class MetadataStore:
     the audit log stay verifiable; the only exception is a key reused after a corrupted or
     expired row (see :meth:`add_pending`).
 
+    ``read_only=True`` opens an existing file for reading only and creates no file beside it
+    (see "Read-only stores" above); every write method then raises
+    :class:`MetadataAccessError`, and a file of an older schema version is refused, as
+    upgrading it would be a write.
+
     Raises :class:`MetadataSchemaError` when the file is of a newer schema version, is not a
-    ckptpilot database, or cannot be put in WAL mode.
+    ckptpilot database, or cannot be put in WAL mode; :class:`MetadataCorruptError` and
+    :class:`MetadataAccessError` (from here and from every method) as described above.
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
-                 busy_timeout_seconds: float = _BUSY_TIMEOUT_SECONDS) -> None:
+                 busy_timeout_seconds: float = _BUSY_TIMEOUT_SECONDS,
+                 read_only: bool = False) -> None:
         self._path = Path(path)
         self._busy_timeout_seconds = busy_timeout_seconds
-        self._engine = sa.create_engine(
-            f"sqlite:///{self._path}", connect_args={"timeout": busy_timeout_seconds})
+        self._read_only = read_only
+        if read_only:
+            if not os.path.lexists(self._path):
+                raise MetadataAccessError(
+                    f"{self._path}: no such file; a read-only store opens an existing "
+                    "database and creates nothing")
+            self._engine = sa.create_engine(
+                "sqlite://", creator=self._connect_read_only, poolclass=sa.pool.NullPool)
+        else:
+            self._engine = sa.create_engine(
+                f"sqlite:///{self._path}", connect_args={"timeout": busy_timeout_seconds})
         event.listen(self._engine, "connect", self._on_connect)
         event.listen(self._engine, "begin", self._on_begin)
         self._write_engine = self._engine.execution_options(**{_WRITE_OPTION: True})
@@ -395,15 +469,26 @@ class MetadataStore:
 
     # -- connection plumbing ------------------------------------------------------------------
 
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """A connection that reads without creating files: ``immutable=1`` while no ``-wal``
+        file exists, ``mode=ro`` (which reads the log) while one does."""
+        has_log = os.path.lexists(f"{self._path}-wal")
+        uri = f"{self._path.absolute().as_uri()}?mode=ro" + ("" if has_log else "&immutable=1")
+        return sqlite3.connect(uri, uri=True, timeout=self._busy_timeout_seconds)
+
     def _on_connect(self, dbapi_connection: sqlite3.Connection, _record: object) -> None:
         """Set the per-connection pragmas and take BEGIN away from the sqlite3 module.
 
         ``isolation_level = None`` stops the driver from opening transactions on its own
         (it would skip BEGIN before SELECT and DDL); :meth:`_on_begin` emits it instead.
         WAL is persistent in the file, so it is only switched on when not already set
-        (:meth:`_journal_mode_wal`).
+        (:meth:`_journal_mode_wal`); a read-only connection cannot switch it and needs none
+        of the write pragmas.
         """
         dbapi_connection.isolation_level = None
+        if self._read_only:
+            dbapi_connection.execute("PRAGMA query_only=ON")
+            return
         cursor = dbapi_connection.cursor()
         try:
             mode = self._journal_mode_wal(cursor)
@@ -477,13 +562,64 @@ class MetadataStore:
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self._engines()[0].begin() as conn:
+        with self._clear_errors(), self._engines()[0].begin() as conn:
             yield conn
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._engines()[1].begin() as conn:
+        if self._read_only:
+            raise MetadataAccessError(
+                f"{self._path}: this store was opened read-only and cannot be changed; open "
+                "it without read_only=True (needs write access to its directory)")
+        with self._clear_errors(), self._engines()[1].begin() as conn:
             yield conn
+
+    @contextmanager
+    def _clear_errors(self) -> Iterator[None]:
+        """Raise SQLite's errors about the file as :class:`MetadataCorruptError` or
+        :class:`MetadataAccessError`; any other error passes unchanged."""
+        try:
+            yield
+        except (sa.exc.DBAPIError, sqlite3.Error) as error:
+            clear = self._clear_error(error)
+            if clear is None:
+                raise
+            raise clear from error
+
+    def _clear_error(self, error: Exception) -> CkptPilotError | None:
+        cause = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+        code = _sqlite_code(cause)
+        detail = str(cause)
+        path, folder = self._path, self._path.parent
+        if code in (_SQLITE_CANTOPEN, _SQLITE_IOERR, _SQLITE_NOTADB) and path.is_dir():
+            return MetadataCorruptError(
+                f"{path} is a directory, not the metadata database; {_REBUILD_HINT}")
+        if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+            if self._read_only and os.path.lexists(f"{path}-wal"):
+                return MetadataCorruptError(
+                    f"{path}: unreadable ({detail}); a pilot may have started writing it "
+                    f"during this read: run the command again, and if it fails the same way "
+                    f"the file is damaged: {_REBUILD_HINT}")
+            return MetadataCorruptError(f"{path}: the metadata database is damaged ({detail}); "
+                                        f"{_REBUILD_HINT}")
+        if code == _SQLITE_FULL:
+            return MetadataAccessError(
+                f"{path}: the disk is full ({detail}); free space on the file system of "
+                f"{folder} and retry")
+        if code == _SQLITE_IOERR:
+            return MetadataAccessError(
+                f"{path}: I/O error on the metadata database ({detail}); check the disk and "
+                f"the file system of {folder}, then retry")
+        if code in (_SQLITE_READONLY, _SQLITE_PERM):
+            return MetadataAccessError(
+                f"{path}: cannot write the metadata database ({detail}); make {folder} and "
+                f"the file writable; {_READ_ONLY_HINT}")
+        if code == _SQLITE_CANTOPEN:
+            return MetadataAccessError(
+                f"{path}: cannot open the metadata database ({detail}); check that {folder} "
+                f"exists and is writable, and that the database files in it are readable; "
+                f"{_READ_ONLY_HINT}")
+        return None
 
     # -- schema ---------------------------------------------------------------------------------
 
@@ -496,23 +632,34 @@ class MetadataStore:
             return conn.execute(sa.select(sa.func.max(_schema_version.c.version))).scalar() or 0
         return 0 if not tables else None
 
+    def _check_version(self, version: int | None) -> int:
+        """``version`` when this code can use or upgrade it; else :class:`MetadataSchemaError`."""
+        if version is None:
+            raise MetadataSchemaError(
+                f"{self._path}: not a ckptpilot metadata database (it has tables but no "
+                "schema_version); point the run at another file")
+        if version > SCHEMA_VERSION:
+            raise MetadataSchemaError(
+                f"{self._path}: metadata schema version {version} is newer than this "
+                f"ckptpilot understands ({SCHEMA_VERSION}); upgrade ckptpilot, or open a "
+                "copy of the run with the version that wrote it")
+        return version
+
     def _upgrade(self) -> None:
         """Bring the file to ``SCHEMA_VERSION``; a current file costs one read transaction."""
         with self._read() as conn:
-            if self._read_version(conn) == SCHEMA_VERSION:
-                return
+            version = self._read_version(conn)
+        if version == SCHEMA_VERSION:
+            return
+        if self._read_only:
+            self._check_version(version)
+            raise MetadataSchemaError(
+                f"{self._path}: metadata schema version {version} is older than this "
+                f"ckptpilot's ({SCHEMA_VERSION}) and a read-only store cannot upgrade it; "
+                "open it once with write access (any pilot or `ckptpilot validate` does)")
         with self._write() as conn:
             # Read again under the write lock: another process may have migrated meanwhile.
-            version = self._read_version(conn)
-            if version is None:
-                raise MetadataSchemaError(
-                    f"{self._path}: not a ckptpilot metadata database (it has tables but no "
-                    "schema_version); point the run at another file")
-            if version > SCHEMA_VERSION:
-                raise MetadataSchemaError(
-                    f"{self._path}: metadata schema version {version} is newer than this "
-                    f"ckptpilot understands ({SCHEMA_VERSION}); upgrade ckptpilot, or open a "
-                    "copy of the run with the version that wrote it")
+            version = self._check_version(self._read_version(conn))
             conn.exec_driver_sql(_SCHEMA_VERSION_DDL)
             for target in range(version + 1, SCHEMA_VERSION + 1):
                 migration = _MIGRATIONS[target - 1]
@@ -524,6 +671,10 @@ class MetadataStore:
     @property
     def path(self) -> Path:
         return self._path
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
 
     @property
     def schema_version(self) -> int:
@@ -764,6 +915,46 @@ class MetadataStore:
         query = sa.select(_checkpoints).where(*where).order_by(c.step.desc(), c.id.desc())
         with self._read() as conn:
             return [_row(m) for m in conn.execute(query).mappings()]
+
+    def run_ids(self) -> dict[str, int]:
+        """The number of rows of each run id in the file.
+
+        A run directory's file normally holds one run; another id there means the database
+        came from another run, or its rows were keyed before the run had an id.
+        """
+        c = _checkpoints.c
+        query = sa.select(c.run_id, sa.func.count()).group_by(c.run_id).order_by(c.run_id)
+        with self._read() as conn:
+            return {run_id: count for run_id, count in conn.execute(query)}
+
+    def adopt_run_id(self, old: str, new: str) -> int:
+        """Re-key every row of run ``old``, and the audit entries naming it, to run ``new``.
+
+        For a run directory whose rows were keyed by its folder's name before it had an id:
+        its pilot calls this once the id exists. One transaction, audited (``adopt-run-id``);
+        returns the number of checkpoint rows re-keyed. Changes nothing and returns 0 when
+        ``old`` has no rows (nothing left to adopt) or when ``new`` already has rows, so that
+        the rows of two runs are never merged into one.
+        """
+        if not old or not new:
+            raise ValueError(f"adopt_run_id: run ids must not be empty (old={old!r}, "
+                             f"new={new!r})")
+        if old == new:
+            return 0
+        c = _checkpoints.c
+        with self._write() as conn:
+            if conn.execute(sa.select(c.id).where(c.run_id == new).limit(1)).first():
+                return 0
+            changed = conn.execute(sa.update(_checkpoints).where(c.run_id == old)
+                                   .values(run_id=new, updated_at=time.time())).rowcount
+            if not changed:
+                return 0
+            run_of = sa.func.json_extract(_audit.c.details, "$.run_id")
+            conn.execute(sa.update(_audit).where(run_of == old).values(
+                details=sa.func.json_set(_audit.c.details, "$.run_id", new)))
+            self._insert_audit(conn, "adopt-run-id", {"old": old, "new": new, "rows": changed},
+                               None)
+            return changed
 
     def newest_valid(self, run_id: str, rank: int,
                      tiers: Collection[Tier | str] = tuple(Tier)) -> CheckpointRow | None:
