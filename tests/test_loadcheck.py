@@ -114,8 +114,61 @@ def test_a_hanging_load_times_out_and_the_worker_is_replaced(tmp_path: Path) -> 
     try:
         result = lc.check(d, manifest, layout)
         assert not result.ok and result.reason == "load test timed out after 3 s"
+        assert lc._proc is None  # the hung worker was killed
+        lc.timeout_seconds = 120  # the replacement must serve; how fast is not the question
         good = staged(tmp_path / "good")
-        assert lc.check(*good).ok
+        result = lc.check(*good)
+        assert result.ok, result.reason
+    finally:
+        lc.close()
+
+
+def slow_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Run ``code`` at the start of every Python process started from here on (the worker)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(code)
+    paths = [str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+
+
+def test_the_timeout_bounds_the_load_not_the_start_of_a_slow_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy machine may take longer to start a worker (import torch) than the timeout."""
+    slow_start(tmp_path, monkeypatch, "import time\ntime.sleep(5)\n")
+    lc = LoadChecker(timeout_seconds=4)
+    try:
+        result = lc.check(*staged(tmp_path))
+        assert result.ok, result.reason
+        assert result.seconds >= 5  # the start is in the check's time, not its timeout
+    finally:
+        lc.close()
+
+
+def test_a_worker_that_cannot_start_fails_the_check_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow_start(tmp_path, monkeypatch, "import os\nos._exit(7)\n")
+    lc = LoadChecker(timeout_seconds=30)
+    try:
+        result = lc.check(*staged(tmp_path))
+        assert not result.ok
+        assert result.reason == "load-test worker died while starting (exit code 7)"
+    finally:
+        lc.close()
+
+
+def test_a_worker_that_hangs_while_starting_fails_after_the_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow_start(tmp_path, monkeypatch, "import time\ntime.sleep(3600)\n")
+    lc = LoadChecker(timeout_seconds=30, start_timeout_seconds=1)
+    try:
+        result = lc.check(*staged(tmp_path))
+        assert not result.ok
+        assert result.reason == "load-test worker did not start within 1 s"
+        assert lc._proc is None  # killed, not left sleeping
     finally:
         lc.close()
 

@@ -8,6 +8,13 @@ stdout — no pickle crosses the pipe. Each job runs under an address-space limi
 (``RLIMIT_AS``) and a wall-clock timeout; a worker that times out or dies is killed and the
 checkpoint is reported as failing with the reason.
 
+The timeout bounds the load, not the worker's start: a new worker imports torch and the
+decoders first, which a busy machine can make take longer than any load of a sane checkpoint,
+and a slow start says nothing about the checkpoint. So the worker says ``{"ready": true}`` once
+it has loaded its libraries, the parent waits for that under ``start_timeout_seconds`` (a
+generous bound against a worker that hangs while starting), and only then sends the job and
+starts the load's clock.
+
 What the worker checks, in order: every file's SHA256 matches the manifest; the safetensors
 header is sane (bounded size, offsets inside the file, byte counts matching shape × dtype) or
 the codec container's header, trailer and index are; every tensor decodes (a container's also
@@ -36,6 +43,7 @@ from typing import IO, Any
 log = logging.getLogger("ckptpilot")
 
 _REQUIRED_META = ("format_version", "step", "rank", "world_size", "model_keys", "rng")
+_READY = b'{"ready": true}\n'
 
 @dataclass(frozen=True)
 class LoadCheckResult:
@@ -45,12 +53,22 @@ class LoadCheckResult:
     tensors: int = 0
 
 
+class _StartFailure(Exception):
+    """The worker could not be started; the message says why."""
+
+
 class LoadChecker:
-    """Parent side: owns the worker process, restarts it after a timeout or a crash."""
+    """Parent side: owns the worker process, restarts it after a timeout or a crash.
+
+    ``timeout_seconds`` bounds one load once the worker is ready; ``start_timeout_seconds``
+    bounds starting a worker (see the module docstring).
+    """
 
     def __init__(self, *, timeout_seconds: float = 120.0,
-                 memory_margin_bytes: int = 1 << 30) -> None:
+                 memory_margin_bytes: int = 1 << 30,
+                 start_timeout_seconds: float = 600.0) -> None:
         self.timeout_seconds = timeout_seconds
+        self.start_timeout_seconds = start_timeout_seconds
         self.memory_margin_bytes = memory_margin_bytes
         self._proc: subprocess.Popen[bytes] | None = None
         self._next_id = 0
@@ -67,7 +85,10 @@ class LoadChecker:
                "expected": {k: [d, list(s)] for k, (d, s) in expected_layout.items()},
                "memory_limit_bytes": sum(sizes) * 2 + self.memory_margin_bytes}
         self._next_id += 1
-        proc = self._worker()
+        try:
+            proc = self._worker()
+        except _StartFailure as e:
+            return LoadCheckResult(False, str(e), time.perf_counter() - t0)
         assert proc.stdin is not None and proc.stdout is not None
         try:
             proc.stdin.write(json.dumps(job).encode() + b"\n")
@@ -90,11 +111,28 @@ class LoadChecker:
                                time.perf_counter() - t0, int(reply.get("tensors", 0)))
 
     def _worker(self) -> subprocess.Popen[bytes]:
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c",
-                 "from ckptpilot.validation.loadcheck import worker_main; worker_main()"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        """The live worker, started (and waited for until ready) if there is none."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c",
+             "from ckptpilot.validation.loadcheck import worker_main; worker_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        assert self._proc.stdout is not None
+        try:
+            line = _readline(self._proc.stdout, self.start_timeout_seconds)
+        except OSError as e:
+            self._kill()
+            raise _StartFailure(f"load-test worker failed to start: {e}") from e
+        if line is None:
+            self._kill()
+            raise _StartFailure(f"load-test worker did not start within "
+                                f"{self.start_timeout_seconds:g} s")
+        if line != _READY:
+            code = self._kill()
+            raise _StartFailure(f"load-test worker died while starting (exit code {code})"
+                                if not line else
+                                f"load-test worker started with {line[:200]!r}, not {_READY!r}")
         return self._proc
 
     def _kill(self) -> int | None:
@@ -248,6 +286,8 @@ def worker_main() -> None:
 
     torch.set_num_threads(1)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    sys.stdout.buffer.write(_READY)
+    sys.stdout.flush()
     for line in sys.stdin.buffer:
         job = json.loads(line)
         limit = _vm_size() + int(job["memory_limit_bytes"])
