@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptpilot.scheduler.heartbeat import HeartbeatWriter, read_latest
 from ckptpilot.scheduler.ledger import (
     FUTURE_SLACK_SECONDS,
     FailureLedger,
@@ -405,3 +406,35 @@ def test_steps_lost_never_negative(tmp_path: Path) -> None:
         failed_at=1.0, last_step=90, recovered_step=100, source="remote", recovery_seconds=1.0
     )
     assert record.steps_lost == 0
+
+
+def test_the_pilots_restart_calls_survive_a_clock_stepped_back_during_the_dead_run(
+    tmp_path: Path,
+) -> None:
+    """Run 1 started on a clock an hour ahead, which was stepped back before its last
+    heartbeat; run 2 restarts with the pilot's calls: read_latest, last_kind,
+    record_interruption, record_run_start, mtbf_seconds."""
+    ring, path = tmp_path / "heartbeat.ring", tmp_path / "failures.jsonl"
+    FailureLedger(path).record_run_start(0, wall_time=time.time() + HOUR)
+    with HeartbeatWriter(ring, slots=4, record_bytes=256) as writer:
+        writer.write({"step": 40}, uptime_seconds=1800.0)
+
+    last = read_latest(ring)
+    assert last is not None and last.step == 40 and last.uptime_seconds == 1800.0
+    ledger = FailureLedger(path)
+    assert ledger.last_kind() == "run_start"
+    wall_only = {
+        "failed_at": last.wall_time,
+        "last_step": 40,
+        "recovered_step": 30,
+        "source": "remote",
+        "recovery_seconds": 0.5,
+    }
+    ledger.record_interruption(**wall_only)
+    ledger.record_run_start(30)
+    assert ledger.mtbf_seconds() is None  # the wall clock alone: unknown, not 0
+
+    ledger.record_run_start(30, wall_time=time.time() + HOUR)  # the same again, with uptime
+    ledger.record_interruption(**wall_only, uptime_seconds=last.uptime_seconds)
+    ledger.record_run_start(30)
+    assert ledger.mtbf_seconds() == 1800.0
