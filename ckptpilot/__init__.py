@@ -10,6 +10,7 @@ from ckptpilot.errors import (
     IntegrityError,
     NoCheckpointError,
     PolicyError,
+    RunDirBusyError,
     StateError,
 )
 from ckptpilot.pilot import CheckpointPilot, RecoveryReport, RecoverySource, SaveRecord
@@ -28,6 +29,7 @@ __all__ = [
     "RecoveryReport",
     "RecoverySource",
     "ResumableSampler",
+    "RunDirBusyError",
     "SaveRecord",
     "StateError",
     "load_policy",

@@ -44,3 +44,7 @@ class CheckpointWriteError(CkptPilotError, RuntimeError):
 
 class NoCheckpointError(CkptPilotError, LookupError):
     """A specific checkpoint was asked for and no valid one exists."""
+
+
+class RunDirBusyError(CkptPilotError, RuntimeError):
+    """Another live pilot holds this rank's lease on the run directory."""

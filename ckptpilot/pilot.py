@@ -39,13 +39,13 @@ import os
 import statistics
 import threading
 import time
-import uuid
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from ckptpilot.errors import (
 )
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
+from ckptpilot.rundir import RunLease, run_identity
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision, Level
 from ckptpilot.scheduler.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
@@ -76,6 +77,7 @@ from ckptpilot.state import (
     capture,
 )
 from ckptpilot.storage.archive import (
+    ArchiveListing,
     StagedArchive,
     checkpoint_name,
     list_archives,
@@ -86,10 +88,10 @@ from ckptpilot.storage.archive import (
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
 from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
-from ckptpilot.tiers.peer import PeerFetchResult, PeerTier
+from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
-from ckptpilot.validation.recovery import Candidate, plan_recovery
+from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
 
 log = logging.getLogger("ckptpilot")
 
@@ -147,6 +149,25 @@ class SaveRecord:
 
 
 @dataclass(frozen=True)
+class _Restored:
+    """A state applied from one source; reported once every rank agrees on its step."""
+
+    source: RecoverySource
+    level: Level
+    location: str
+    bytes_read: int
+
+
+@dataclass(frozen=True)
+class _RestoreOption:
+    """One source of one step: ``load`` applies it, ``on_fail`` records why it did not."""
+
+    where: str
+    load: Callable[[], _Restored]
+    on_fail: Callable[[str], None]
+
+
+@dataclass(frozen=True)
 class _SaveRequest:
     level: str
     reason: str
@@ -161,23 +182,7 @@ RECOVER_PIN = "recover.json"
 _PEER_ERRORS = (CkptPilotError, OSError, ValueError, KeyError, TypeError)
 PEER_FORMAT = "ckptpilot-peer-image-1"
 MAX_RECOVERY_WALK = 5
-
-
-def _run_identity(run_dir: Path) -> str:
-    """A random id made once per run directory (file ``run_id``): shared peers tell runs
-    apart by it, since two jobs may well both call their directory ``run``. Created by an
-    atomic link, so ranks starting together agree on one."""
-    path = run_dir / "run_id"
-    if not path.exists():
-        tmp = run_dir / f".run_id.{os.getpid()}.{uuid.uuid4().hex}"
-        tmp.write_text(uuid.uuid4().hex[:16])
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    return path.read_text().strip()
+_AGREE_STEPS = 32  # candidates per rank exchanged at restore (a walk tries at most ~12)
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -239,9 +244,22 @@ class CheckpointPilot:
         self.components = TrainingComponents(model=model, optimizer=optimizer,
                                              lr_scheduler=lr_scheduler, scaler=scaler,
                                              data_state=data_state)
+        self._closed = True  # until _open() finished: close() then has nothing to undo
+        # First, before any file of the run is touched: a second pilot for this rank refuses.
+        self._lease = RunLease(self.run_dir, self.rank)
+        try:
+            self._open(model=model, optimizer=optimizer, gpu_health=gpu_health)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _open(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+              gpu_health: GpuHealthProvider | None) -> None:
         self.remote = RemoteTier(self.policy.tiers.remote.url)
-        self.run_id = self.run_dir.name
+        self.run_id = run_identity(self.run_dir)
         self.store = MetadataStore(self.run_dir / "metadata.sqlite")
+        # Rows of a directory from before run ids were keyed by the folder's name.
+        self.store.adopt_run_id(self.run_dir.name, self.run_id)
         self._validator = PostWriteValidator(self.policy.validation)
         self.scheduler = AdaptiveCheckpointScheduler(self.policy.scheduler, self.policy.retention)
         self.extras: dict[str, Any] = {}
@@ -260,7 +278,7 @@ class CheckpointPilot:
                        if mem.enabled else None)
         peer = self.policy.tiers.peer
         self.peers = (PeerTier.from_policy(
-            peer, run_id=f"{self.run_id}-{_run_identity(self.run_dir)}.rank{self.rank:05d}")
+            peer, run_id=f"{self.run_dir.name}-{self.run_id}.rank{self.rank:05d}")
             if peer.enabled else None)
         self._peer_step: int | None = None  # the newest checkpoint the peers took from us
         codecs = self.policy.codecs
@@ -715,80 +733,129 @@ class CheckpointPilot:
         """Load the newest checkpoint that verifies (or exactly ``step``); returns the step
         to resume from, 0 when the run has no checkpoint yet.
 
-        Recovery order (SPEC §7): newest ``valid`` first, re-verified on read; a checkpoint
-        that fails is marked ``corrupted`` and the chain is walked back (up to 5), then the
-        newest organ. ``last_recovery.skipped`` lists what was passed over and why. If
-        checkpoints exist but none verifies, this raises rather than silently restarting the
-        run from scratch. A pin left by ``ckptpilot recover --step N`` selects step N (any
-        status with ``--force``) and is consumed. When the previous run of this ``run_dir``
-        died, the interruption goes into the failure ledger (it feeds the Young–Daly bound).
+        Recovery order (SPEC §7): newest ``valid`` first, from the fastest tier that holds it
+        (memory → peer → remote), re-verified on read; a checkpoint that fails to read for
+        any reason (format, digest, I/O) is marked ``corrupted`` and the chain is walked back
+        (up to 5), then the newest organ. ``last_recovery.skipped`` lists what was passed
+        over and why, including rows whose data is missing. If checkpoints exist (or are
+        recorded) but none loads, this raises rather than silently restarting the run from
+        scratch. In a distributed run every rank restores the same step: the newest one that
+        every rank can load (one small collective per step tried). A pin left by
+        ``ckptpilot recover --step N`` selects step N (any status with ``--force``) and is
+        consumed. When the previous run of this ``run_dir`` died, the interruption goes into
+        the failure ledger (it feeds the Young–Daly bound).
         """
         self._check_open()
         self.flush()
         t0 = time.perf_counter()
-        forced = False
+        forced = pinned = False
         pin = self.run_dir / RECOVER_PIN
         if step is None and pin.exists():
-            pinned = json.loads(pin.read_text())
-            step, forced = int(pinned["step"]), bool(pinned.get("force", False))
+            pinned_step = json.loads(pin.read_text())
+            step, forced = int(pinned_step["step"]), bool(pinned_step.get("force", False))
+            pinned = True
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
-        candidates = self._recovery_candidates()
+        candidates, missing = self._recovery_candidates()
         if forced:
             candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
         plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
         skipped = [SkippedCheckpoint(self.remote.path(c.name), why) for c, why in plan.excluded]
-        held = self.memory.newest() if self.memory is not None and not forced else None
-        if held is not None and (held.step == step if step is not None else
-                                 not plan.attempts or held.step >= plan.attempts[0].step):
-            self._restore_from_memory(held, t0, skipped)
-            self._consume_pin(pin, held.step, forced)
-            return held.step
-        newest_remote = plan.attempts[0].step if plan.attempts else -1
-        for target in self._peer_targets(step, newest_remote) if not forced else []:
-            assert self.peers is not None
-            where = f"peer:{self.peers.run_id}/{target}"
-            try:
-                self._restore_from_peer(self.peers.fetch(target), target, t0, skipped)
-            except (*_PEER_ERRORS, RuntimeError) as e:
-                log.warning("cannot restore step %d from the peer tier: %s", target, e)
-                skipped.append(SkippedCheckpoint(where, str(e)))
-                row = self.store.get((self.run_id, target, self.rank, "peer"))
-                if row is not None and row.status in (Status.VALID, Status.PENDING):
-                    self.store.mark(row.key, Status.CORRUPTED,
-                                    note=f"failed on restore: {e}"[:2000])
+        options = self._restore_options(plan, step, forced)
+        steps = sorted(options, reverse=True)
+        if self._distributed:
+            common = self._steps_every_rank_has(steps)
+            missing += [(s, SkippedCheckpoint(options[s][0].where,
+                                              f"step {s} is not held by every rank"))
+                        for s in steps if s not in common]
+            steps = common
+        for target in steps:
+            restored = self._load_first(options[target], skipped)
+            if self._distributed and not self._every_rank(restored is not None):
+                if restored is not None:
+                    skipped.append(SkippedCheckpoint(
+                        restored.location, f"another rank cannot load step {target}"))
                 continue
-            self._consume_pin(pin, target, forced)
-            return target
-        if step is not None and not plan.attempts:
-            raise NoCheckpointError(
-                f"no usable checkpoint of step {step} for rank {self.rank} in "
-                f"{self.remote.url}" + (f" ({skipped[0].reason})" if skipped else ""))
-        for cand in plan.attempts:
-            try:
-                loaded = read_organ(self.remote, cand.name)
-            except CheckpointFormatError as e:
-                log.warning("skipping checkpoint %s: %s", self.remote.path(cand.name), e)
-                skipped.append(SkippedCheckpoint(self.remote.path(cand.name), str(e)))
-                self._mark_unreadable(cand, str(e))
+            if restored is None:
                 continue
-            self._apply(loaded.meta, loaded.tensor)
-            level = loaded.manifest["level"]
-            self._after_restore(cand.step, Level(level))
-            read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
-            self.last_recovery = self._report(RecoverySource.REMOTE, cand.step, level, t0,
-                                              loaded.location, skipped, read)
-            self._consume_pin(pin, cand.step, forced)
-            log.info("restored step %d from %s in %.2f s", cand.step, loaded.location,
+            skipped += [m for s, m in missing if s > target]
+            self._after_restore(target, restored.level)
+            self.last_recovery = self._report(restored.source, target, restored.level.value, t0,
+                                              restored.location, skipped, restored.bytes_read)
+            if pinned:
+                self._consume_pin(pin, target, forced)
+            log.info("restored step %d from %s in %.2f s", target, restored.location,
                      self.last_recovery.seconds)
-            return cand.step
-        if skipped:
-            raise NoCheckpointError(
-                f"none of the {len(skipped)} checkpoints in {self.remote.url} can be loaded; "
-                f"newest: {skipped[0].reason}")
+            return target
+        skipped += [m for _, m in missing]
+        refuse = bool(skipped) or step is not None
+        if self._distributed:
+            refuse = not self._every_rank(not refuse)
+        if refuse:
+            raise NoCheckpointError(self._nothing_loads(step, skipped))
         self._after_restore(0, None)
         self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
+
+    def _nothing_loads(self, step: int | None, skipped: list[SkippedCheckpoint]) -> str:
+        what = f"step {step}" if step is not None else "any step"
+        if not skipped:
+            return (f"no usable checkpoint of {what} for rank {self.rank} in "
+                    f"{self.remote.url}" + (" on every rank" if self._distributed else ""))
+        first = skipped[0]
+        return (f"rank {self.rank} cannot load {what}: none of the {len(skipped)} checkpoints "
+                f"recorded or found in {self.remote.url} loads; newest: {first.location}: "
+                f"{first.reason}")
+
+    def _restore_options(self, plan: RecoveryPlan, step: int | None, forced: bool
+                         ) -> dict[int, list[_RestoreOption]]:
+        """For each step this rank could restore, its sources, fastest first."""
+        options: dict[int, list[_RestoreOption]] = {}
+        held = self.memory.newest() if self.memory is not None and not forced else None
+        if held is not None and (step is None or held.step == step):
+            options.setdefault(held.step, []).append(_RestoreOption(
+                f"memory:step {held.step}", partial(self._restore_from_memory, held),
+                lambda reason: None))
+        newest_remote = plan.attempts[0].step if plan.attempts else -1
+        for target in self._peer_targets(step, newest_remote) if not forced else []:
+            assert self.peers is not None
+            options.setdefault(target, []).append(_RestoreOption(
+                f"peer:{self.peers.run_id}/{target}", partial(self._restore_from_peer, target),
+                partial(self._mark_failed_on_restore, target, "peer")))
+        for cand in plan.attempts:
+            options.setdefault(cand.step, []).append(_RestoreOption(
+                self.remote.path(cand.name), partial(self._restore_from_remote, cand),
+                partial(self._mark_failed_on_restore, cand.step, "remote")))
+        return options
+
+    def _load_first(self, options: list[_RestoreOption], skipped: list[SkippedCheckpoint]
+                    ) -> _Restored | None:
+        """Apply the first source of one step that loads; each failure is skipped with its
+        reason (any read error: format, digest, I/O, a peer's)."""
+        for option in options:
+            try:
+                return option.load()
+            except (*_PEER_ERRORS, RuntimeError) as e:
+                log.warning("skipping checkpoint %s: %s", option.where, e)
+                skipped.append(SkippedCheckpoint(option.where, str(e)))
+                option.on_fail(str(e))
+        return None
+
+    def _steps_every_rank_has(self, steps: list[int]) -> list[int]:
+        """The steps (newest first) that every rank has a source for: one all-gather of each
+        rank's newest few candidates, so all ranks walk the same list."""
+        mine = torch.full((_AGREE_STEPS,), -1, dtype=torch.int64)
+        mine[:min(len(steps), _AGREE_STEPS)] = torch.tensor(steps[:_AGREE_STEPS],
+                                                            dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(every, mine)
+        common = set.intersection(*({s for s in t.tolist() if s >= 0} for t in every))
+        return sorted(common, reverse=True)
+
+    def _every_rank(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _peer_targets(self, step: int | None, newest_remote: int) -> list[int]:
         """Peer checkpoints to try, newest first: ``step`` if it is a valid peer row, else
@@ -811,9 +878,19 @@ class CheckpointPilot:
         newer = sorted((s for s in steps if s >= newest_remote), reverse=True)
         return newer[:MAX_RECOVERY_WALK]
 
-    def _restore_from_peer(self, fetched: PeerFetchResult, step: int, t0: float,
-                           skipped: list[SkippedCheckpoint]) -> None:
-        where = f"peer:{self.peers.run_id}/{step}" if self.peers else "peer"
+    def _restore_from_remote(self, cand: Candidate) -> _Restored:
+        row = self.store.get((self.run_id, cand.step, self.rank, "remote"))
+        expected = row.sha256 if row is not None and cand.status is not None else None
+        loaded = read_organ(self.remote, cand.name, manifest_sha256=expected)
+        self._apply(loaded.meta, loaded.tensor)
+        read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
+        return _Restored(RecoverySource.REMOTE, Level(loaded.manifest["level"]),
+                         loaded.location, read)
+
+    def _restore_from_peer(self, step: int) -> _Restored:
+        assert self.peers is not None
+        fetched = self.peers.fetch(step)
+        where = f"peer:{self.peers.run_id}/{step}"
         try:
             meta = json.loads(fetched.meta)
             if meta.get("format") != PEER_FORMAT or (meta.get("step"), meta.get("rank")) != (
@@ -837,31 +914,22 @@ class CheckpointPilot:
                     f"{where}: state refers to tensor {key!r}, absent from the image") from None
 
         self._apply(meta["state"], get_tensor)
-        self._after_restore(step, level)
         if fetched.rebuilt_shard is not None:
             where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
-        self.last_recovery = self._report(RecoverySource.PEER, step, level.value, t0,
-                                          where, skipped, fetched.bytes_fetched)
-        log.info("restored step %d from %s in %.2f s (%.1f MB fetched)", step, where,
-                 self.last_recovery.seconds, fetched.bytes_fetched / 1e6)
+        return _Restored(RecoverySource.PEER, level, where, fetched.bytes_fetched)
 
     def _consume_pin(self, pin: Path, step: int, forced: bool) -> None:
-        if pin.exists():
-            self.store.audit("recover-applied", {"step": step, "rank": self.rank,
-                                                 "forced": forced})
-            pin.unlink()
+        self.store.audit("recover-applied", {"step": step, "rank": self.rank,
+                                             "forced": forced})
+        pin.unlink(missing_ok=True)  # every rank consumes it; the first one removes it
 
-    def _restore_from_memory(self, held: MemoryEntry, t0: float,
-                             skipped: list[SkippedCheckpoint]) -> None:
+    def _restore_from_memory(self, held: MemoryEntry) -> _Restored:
         # Clones: an optimizer's load_state_dict may keep the very tensors it is given, and
         # these buffers go back to the snapshot pool for the next capture.
         snap = held.snapshot
         self._apply(snap.meta, lambda key: snap.tensors[key].clone())
-        self._after_restore(held.step, Level(held.level))
-        self.last_recovery = self._report(RecoverySource.MEMORY, held.step, held.level, t0,
-                                          f"memory:step {held.step}", skipped, snap.nbytes)
-        log.info("restored step %d from the memory tier in %.2f s", held.step,
-                 self.last_recovery.seconds)
+        return _Restored(RecoverySource.MEMORY, Level(held.level), f"memory:step {held.step}",
+                         snap.nbytes)
 
     def _apply(self, meta: Mapping[str, Any], get_tensor: Callable[[str], torch.Tensor]
                ) -> None:
@@ -870,14 +938,27 @@ class CheckpointPilot:
         self.extras.update(restored_extras)
         self.epoch = meta.get("epoch")
 
-    def _recovery_candidates(self) -> list[Candidate]:
-        """Published archives of this rank with their metadata status; repairs the traces a
-        killed writer left (staging directories, rows still ``pending``)."""
-        listing = list_archives(self.remote, self.rank)
+    def _recovery_candidates(self) -> tuple[list[Candidate],
+                                            list[tuple[int, SkippedCheckpoint]]]:
+        """Published archives of this rank with their metadata status, and the ``valid`` rows
+        whose archive is missing (deleted, a wrong mount or ``tiers.remote.url``): those count
+        as checkpoints that exist, so losing them is never a silent restart from scratch.
+        Repairs the traces a killed writer left (staging directories, rows still
+        ``pending``)."""
+        try:
+            listing = list_archives(self.remote, self.rank)
+        except OSError as e:
+            log.warning("cannot list the remote tier %s: %s", self.remote.url, e)
+            listing, unlisted = ArchiveListing(published=[], staging=[]), str(e)
+        else:
+            unlisted = None
         for debris in listing.staging:
             log.warning("removing %s: a save that never finished (writer killed)",
                         self.remote.path(debris))
-            self.remote.remove(debris)
+            try:
+                self.remote.remove(debris)
+            except OSError as e:
+                log.warning("cannot remove %s: %s", self.remote.path(debris), e)
         published = dict((name, s) for s, name in listing.published)
         rows = self._rows_by_step()
         for row in rows.values():
@@ -900,10 +981,18 @@ class CheckpointPilot:
                 continue
             try:  # no metadata (database lost or rebuilt): the manifest says what it is
                 level = read_manifest(self.remote, name)["level"]
-            except CheckpointFormatError:
+            except (CheckpointFormatError, OSError):
                 level = "unknown"
             candidates.append(Candidate(step, level, "remote", name, None))
-        return candidates
+        missing = [
+            (row.step, SkippedCheckpoint(row.location, (
+                f"recorded valid but cannot list {self.remote.url}: {unlisted}" if unlisted
+                else f"recorded valid but its data is missing from {self.remote.url} "
+                "(deleted, or a wrong mount / tiers.remote.url?)")))
+            for row in sorted(rows.values(), key=lambda r: -r.step)
+            if row.status is Status.VALID and checkpoint_name(row.step, self.rank)
+            not in published]
+        return candidates, missing
 
     def _rows_by_step(self) -> dict[int, CheckpointRow]:
         """This rank's remote rows, the newest row of each step."""
@@ -912,10 +1001,10 @@ class CheckpointPilot:
             rows.setdefault(row.step, row)
         return rows
 
-    def _mark_unreadable(self, cand: Candidate, reason: str) -> None:
-        row = self.store.get((self.run_id, cand.step, self.rank, "remote"))
-        if row is not None and row.status is Status.VALID:
-            self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {reason}")
+    def _mark_failed_on_restore(self, step: int, tier: str, reason: str) -> None:
+        row = self.store.get((self.run_id, step, self.rank, tier))
+        if row is not None and row.status in (Status.VALID, Status.PENDING):
+            self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {reason}"[:2000])
 
     def _after_restore(self, step: int, level: Level | None) -> None:
         if self.memory is not None:
@@ -945,7 +1034,8 @@ class CheckpointPilot:
             if self._ledger.last_kind() == "run_start":
                 self._ledger.record_interruption(
                     failed_at=hb.wall_time, last_step=hb.step, recovered_step=step,
-                    source=source.value, recovery_seconds=seconds)
+                    source=source.value, recovery_seconds=seconds,
+                    uptime_seconds=hb.uptime_seconds)
         self._ledger.record_run_start(step)
         self._run_started = True
         self._mtbf_seconds = self._ledger.mtbf_seconds()
@@ -983,6 +1073,7 @@ class CheckpointPilot:
             if self._run_started:
                 self._ledger.record_run_end(self.step)
             self.store.close()
+            self._lease.release()
 
     def __enter__(self) -> CheckpointPilot:
         return self

@@ -21,7 +21,9 @@ Rules, applied per (run, rank, level, tier) group (SPEC §2, §8):
   dies with the node, so the newest remote copy must survive a newer memory copy); and,
   transitively, the base of any kept delta (``base_step``). The base is matched by step in
   every tier of the same run and rank, since a row does not record which tier holds its base;
-  over-keeping a base costs bytes, removing a needed one loses the delta.
+  over-keeping a base costs bytes, removing a needed one loses the delta. And the newest
+  step that every rank of the run holds valid (per tier), on every rank: when one rank's
+  newest part is lost, that is the step a distributed restore falls back to.
 - ``expired`` rows are not planned (their removal is :func:`repair`'s business) and neither
   they nor ``corrupted`` rows count toward a quota.
 - ``corrupted`` rows are removed unless a never-remove rule protects them (a milestone, the
@@ -192,6 +194,23 @@ def _newest_first(rows: Sequence[R]) -> list[R]:
     return sorted(rows, key=lambda row: (-row.step, -row.id))
 
 
+def _newest_complete(valid: Sequence[R]) -> list[R]:
+    """The rows of the newest step that every rank of a multi-rank run holds valid, per tier:
+    what a distributed restore agrees on when one rank's newest part is missing or damaged."""
+    ranks: dict[tuple[str, str], set[int]] = defaultdict(set)
+    holders: dict[tuple[str, str, int], list[R]] = defaultdict(list)
+    for row in valid:
+        ranks[(row.run_id, _text(row.tier))].add(row.rank)
+        holders[(row.run_id, _text(row.tier), row.step)].append(row)
+    newest: dict[tuple[str, str], int] = {}
+    for (run, tier, step), rows in holders.items():
+        everyone = ranks[(run, tier)]
+        if (len(everyone) > 1 and {row.rank for row in rows} == everyone
+                and step > newest.get((run, tier), -1)):
+            newest[(run, tier)] = step
+    return [row for (run, tier), step in newest.items() for row in holders[(run, tier, step)]]
+
+
 def plan_retention(
     rows: Sequence[R],
     policy: RetentionPolicy,
@@ -225,6 +244,8 @@ def plan_retention(
 
     for (_run, _rank, tier), tier_rows in by_tier.items():
         keep[_newest_first(tier_rows)[0].id].append(f"newest valid in {tier}")
+    for row in _newest_complete(valid):
+        keep[row.id].append(f"newest step valid on every rank in {_text(row.tier)}")
 
     quotas = {
         RetentionClass.IMPORTANT.value: policy.important_keep,

@@ -26,13 +26,11 @@ import time
 import uuid
 from pathlib import Path
 
-from ckptpilot.errors import CkptPilotError
+from ckptpilot.errors import RunDirBusyError
 
 RUN_ID_FILE = "run_id"
-
-
-class RunDirBusyError(CkptPilotError, RuntimeError):
-    """Another live pilot holds this rank's lease on the run directory."""
+__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunLease", "lease_path", "read_run_id",
+           "run_identity"]
 
 
 def read_run_id(run_dir: Path) -> str | None:

@@ -314,7 +314,7 @@ def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
     assert any(p.name.startswith("step_00000004_rank_00000.corrupted-")
                for p in (job.run_dir / "checkpoints").iterdir())
     with MetadataStore(job.run_dir / "metadata.sqlite") as store:
-        row = store.get(("run", 4, 0, "remote"))
+        row = store.get((job.pilot.run_id, 4, 0, "remote"))
         assert row is not None and row.status.value == "corrupted"
         assert "SHA256" in row.note
     again = Job(tmp_path, interval=2)

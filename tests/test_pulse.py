@@ -9,6 +9,7 @@ import torch
 
 from ckptpilot import CheckpointPilot, RecoverySource
 from ckptpilot.codecs import read_index
+from ckptpilot.rundir import read_run_id
 from ckptpilot.state import HostBufferPool, Snapshot
 from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore
@@ -90,7 +91,7 @@ def test_fifty_pulses_then_a_restore_reads_one_state_bit_exactly(tmp_path: Path)
     assert codecs["optimizer/state/0/exp_avg_sq"] in ("byteplane", "prefix_index")
     assert "xor_delta" not in codecs.values()
     with MetadataStore(run_dir / "metadata.sqlite") as store:
-        row = store.get(("run", 50, 0, "remote"))
+        row = store.get((read_run_id(run_dir), 50, 0, "remote"))
     assert row is not None and ("byteplane" in row.codec or "prefix_index" in row.codec)
     assert row.bytes_encoded < row.bytes_raw
 

@@ -65,6 +65,21 @@ def test_routine_keeps_the_newest_k_of_its_group() -> None:
     assert set(kept(plan)) == {20, 30, 40} and set(removed(plan)) == {10}
 
 
+def test_the_newest_step_every_rank_holds_is_kept_on_every_rank() -> None:
+    """Rank 1 never finished step 57: 37 is what a distributed restore falls back to, so
+    rank 0 keeps 37 although its routine quota keeps only 57."""
+    specs = [{"step": s, "rank": 0} for s in (20, 37, 57)]
+    specs += [{"step": s, "rank": 1} for s in (20, 37)]
+    plan = plan_retention(rows_of(*specs), POLICY)
+    on = {(row.rank, row.step): why for row, why in plan.keep}
+    assert on == {
+        (0, 57): "newest valid in remote; routine: within newest 1",
+        (0, 37): "newest step valid on every rank in remote",
+        (1, 37): "newest valid in remote; newest step valid on every rank in remote; "
+                 "routine: within newest 1"}
+    assert {(row.rank, row.step) for row, _ in plan.remove} == {(0, 20), (1, 20)}
+
+
 def test_important_keeps_the_newest_k_and_critical_is_kept_forever() -> None:
     specs = [{"step": s, "retention_class": "important"} for s in range(10, 70, 10)]
     specs += [{"step": s, "retention_class": "critical"} for s in (1, 2, 3)]

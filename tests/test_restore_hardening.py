@@ -1,0 +1,248 @@
+"""Restore under attack: a second pilot on one run dir, a checkpoint under another step's name,
+read errors, missing data, a copied run dir, and ranks that hold different steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from test_pilot import Job
+
+from ckptpilot import CheckpointPilot, NoCheckpointError, RecoverySource
+from ckptpilot.cli import main as cli_main
+from ckptpilot.rundir import RUN_ID_FILE, RunDirBusyError, RunLease
+from ckptpilot.storage import archive
+from ckptpilot.storage.metadata import MetadataStore, Status
+
+HERE = Path(__file__).parent
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def model_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: as_bits(v).clone() for k, v in model.state_dict().items()}
+
+
+def trained(tmp_path: Path, steps: int = 12, interval: int = 3) -> tuple[Job, dict[int, dict]]:
+    """A closed run with checkpoints every ``interval`` steps, and the model's bits at each."""
+    job = Job(tmp_path, interval=interval)
+    bits = {}
+    for _ in range(steps):
+        job.step()
+        bits[job.pilot.step] = model_bits(job.model)
+    job.pilot.close()
+    return job, bits
+
+
+def ckpt_dir(job: Job, step: int, rank: int = 0) -> Path:
+    return job.run_dir / "checkpoints" / archive.checkpoint_name(step, rank)
+
+
+def test_a_second_pilot_on_the_same_rank_refuses_to_start_naming_the_holder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = Job(tmp_path)
+    with pytest.raises(RunDirBusyError, match=rf"rank 0 is held by pid {os.getpid()} on host "
+                       rf"{socket.gethostname()}"):
+        Job(tmp_path)
+    # Another rank of the same run, and read-only operations, are not blocked.
+    other = CheckpointPilot(job.pilot.policy, model=torch.nn.Linear(2, 2), rank=1,
+                            world_size=2)
+    other.close()
+    assert cli_main(["ls", "--run-dir", str(job.run_dir)]) == 0
+    job.pilot.close()
+    Job(tmp_path).pilot.close()  # released on close
+
+
+def test_the_lease_of_a_killed_pilot_is_released_by_the_kernel(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""\
+            import sys, time
+            from pathlib import Path
+            from ckptpilot.rundir import RunLease
+            lease = RunLease(Path({str(run_dir)!r}), 0)
+            print("held", flush=True)
+            time.sleep(600)
+            """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusyError, match=f"pid {holder.pid}"):
+            RunLease(run_dir, 0)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    finally:
+        holder.kill()
+    lease = RunLease(run_dir, 0)
+    assert lease.held
+    assert json.loads(lease.path.read_text())["pid"] == os.getpid()
+    lease.release()
+
+
+def test_a_copy_of_an_older_step_under_a_newer_name_is_not_loaded_as_that_step(
+        tmp_path: Path) -> None:
+    job, bits = trained(tmp_path)
+    assert job.published() == [3, 6, 9, 12]
+    shutil.rmtree(ckpt_dir(job, 12))
+    shutil.copytree(ckpt_dir(job, 6), ckpt_dir(job, 12))
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 9
+    rec = again.pilot.last_recovery
+    assert rec is not None and [s.location for s in rec.skipped] == [
+        str(ckpt_dir(job, 12))]
+    assert "holds 'step_00000006_rank_00000' (step 6, rank 0), not step_00000012_rank_00000" \
+        in rec.skipped[0].reason
+    assert model_bits(again.model).keys() == bits[9].keys()
+    assert all(torch.equal(model_bits(again.model)[k], bits[9][k]) for k in bits[9])
+    again.pilot.close()
+
+
+def test_an_archive_other_than_the_one_recorded_is_refused_by_its_digest(
+        tmp_path: Path) -> None:
+    """Same name, step and rank in the manifest, yet not what the metadata recorded (a copy
+    from another run or an earlier continuation): the row's digest tells them apart."""
+    job, bits = trained(tmp_path)
+    (tmp_path / "other").mkdir()
+    other = Job(tmp_path / "other", interval=3)
+    for _ in range(12):
+        other.step()
+        other.x.mul_(1.5)  # another run: different data from step 2 on
+    other.pilot.close()
+    shutil.rmtree(ckpt_dir(job, 12))
+    shutil.copytree(ckpt_dir(other, 12), ckpt_dir(job, 12))
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 9
+    rec = again.pilot.last_recovery
+    assert rec is not None and "not the archive the metadata recorded" in rec.skipped[0].reason
+    assert all(torch.equal(model_bits(again.model)[k], bits[9][k]) for k in bits[9])
+    again.pilot.close()
+
+
+def test_a_read_error_skips_the_checkpoint_and_walks_back(tmp_path: Path) -> None:
+    job, bits = trained(tmp_path)
+    manifest = ckpt_dir(job, 12) / archive.MANIFEST_FILE
+    manifest.unlink()
+    manifest.mkdir()  # reading it raises IsADirectoryError
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 9
+    rec = again.pilot.last_recovery
+    assert rec is not None and len(rec.skipped) == 1 and "Is a directory" in \
+        rec.skipped[0].reason
+    assert all(torch.equal(model_bits(again.model)[k], bits[9][k]) for k in bits[9])
+    again.pilot.close()
+    with MetadataStore(job.run_dir / "metadata.sqlite") as store:
+        statuses = {r.step: r.status for r in store.rows(store_run_id(job.run_dir))}
+    assert statuses[12] is Status.CORRUPTED and statuses[9] is Status.VALID
+
+
+def store_run_id(run_dir: Path) -> str:
+    return (run_dir / RUN_ID_FILE).read_text().strip()
+
+
+def test_recorded_checkpoints_whose_data_is_gone_are_an_error_not_a_fresh_start(
+        tmp_path: Path) -> None:
+    job, _ = trained(tmp_path)
+    shutil.rmtree(job.run_dir / "checkpoints")
+    again = Job(tmp_path, interval=3)
+    with pytest.raises(NoCheckpointError, match=r"none of the 4 checkpoints .* newest: .*"
+                       r"step_00000012_rank_00000: recorded valid but its data is missing"):
+        again.pilot.restore()
+    again.pilot.close()
+
+
+def test_a_deleted_newest_checkpoint_is_reported_and_the_previous_one_restored(
+        tmp_path: Path) -> None:
+    job, _ = trained(tmp_path)
+    shutil.rmtree(ckpt_dir(job, 12))
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 9
+    rec = again.pilot.last_recovery
+    assert rec is not None and rec.source is RecoverySource.REMOTE
+    assert [s.location for s in rec.skipped] == [str(ckpt_dir(job, 12))]
+    assert "data is missing" in rec.skipped[0].reason
+    again.pilot.close()
+
+
+def test_a_copied_run_dir_keeps_its_history(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    job, bits = trained(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(job.run_dir, copy)
+    capsys.readouterr()
+    assert cli_main(["ls", "--run-dir", str(copy)]) == 0
+    listed = capsys.readouterr().out
+    assert "no checkpoints recorded" not in listed and listed.count(" valid ") == 4
+    again = Job(tmp_path, interval=3)
+    again.pilot.close()
+    pilot = CheckpointPilot(again.pilot.policy, model=again.model, optimizer=again.opt,
+                            lr_scheduler=again.sched, data_state=again.sampler, run_dir=copy)
+    assert pilot.restore() == 12
+    assert all(torch.equal(model_bits(again.model)[k], bits[12][k]) for k in bits[12])
+    pilot.close()
+
+
+def test_rows_of_a_run_dir_from_before_run_ids_are_adopted(tmp_path: Path) -> None:
+    job, _ = trained(tmp_path)
+    run_id = store_run_id(job.run_dir)
+    with MetadataStore(job.run_dir / "metadata.sqlite") as store:
+        assert store.adopt_run_id(run_id, job.run_dir.name) == 4  # as keyed before
+    (job.run_dir / RUN_ID_FILE).unlink()
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 12
+    assert again.pilot.last_recovery is not None and not again.pilot.last_recovery.skipped
+    again.pilot.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks(run_dir: Path, phase: str) -> list[dict]:
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(HERE / "rankjob.py"), "--rank", str(r), "--port", str(port),
+         "--run-dir", str(run_dir), "--phase", phase], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.mark.crash
+def test_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Path) -> None:
+    trained_dir = tmp_path / "trained"
+    finished = ranks(trained_dir, "train")
+    published = finished[0]["published"]
+    assert finished[1]["published"] == published and published[-1] == 15
+    before = published[-2]  # 10, or a step the scheduler chose on its own
+    missing, damaged = tmp_path / "missing", tmp_path / "damaged"
+    shutil.copytree(trained_dir, missing)
+    shutil.copytree(trained_dir, damaged)
+    # One rank's newest checkpoint deleted; in the other copy, bit-flipped.
+    shutil.rmtree(missing / "checkpoints" / archive.checkpoint_name(15, 1))
+    tensors = damaged / "checkpoints" / archive.checkpoint_name(15, 1) / archive.TENSORS_FILE
+    data = bytearray(tensors.read_bytes())
+    data[-5] ^= 0x10
+    tensors.write_bytes(bytes(data))
+    for run_dir in (missing, damaged):
+        restored = ranks(run_dir, "restore")
+        assert [r["step"] for r in restored] == [before, before], restored
+        # Every rank holds exactly the state it had at that step of the uninterrupted run.
+        assert [r["digest"] for r in restored] == [f["digests"][str(before)] for f in finished]
+        assert any("step 15" in s or "step_00000015" in s for s in restored[0]["skipped"])
