@@ -246,3 +246,49 @@ def test_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Path) 
         # Every rank holds exactly the state it had at that step of the uninterrupted run.
         assert [r["digest"] for r in restored] == [f["digests"][str(before)] for f in finished]
         assert any("step 15" in s or "step_00000015" in s for s in restored[0]["skipped"])
+
+
+def test_a_restart_after_the_clock_jumped_back_resumes_and_observes(tmp_path: Path) -> None:
+    """The dead run's records lie a day in the future (the clock went back across the crash):
+    MTBF is unknown or positive, never 0, and the first observe() does not raise."""
+    job = Job(tmp_path, interval=3)
+    job.pilot.restore()
+    for _ in range(7):
+        job.step()
+    job.pilot.flush()
+    job.pilot._heartbeat.close()  # as if SIGKILLed: no clean end in the ledger
+    job.pilot._closed = True
+    job.pilot._lease.release()
+    ledger = job.run_dir / "ledger_rank_00000.jsonl"
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    for r in records:
+        r["wall_time"] += 86400.0
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for restart in range(2):  # every restart after it too
+        again = Job(tmp_path, interval=3)
+        assert again.pilot.restore() == 6 + restart
+        again.step()
+        mtbf = again.pilot.stats()["mtbf_seconds"]
+        assert mtbf is None or mtbf > 0
+        again.pilot.save("organ")
+        again.pilot.close()
+
+
+def test_damaged_heartbeat_ring_and_ledger_are_set_aside_and_the_run_resumes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    job, bits = trained(tmp_path)
+    ring = job.run_dir / "heartbeat_rank_00000.ring"
+    ring.write_bytes(os.urandom(333))
+    ledger = job.run_dir / "ledger_rank_00000.jsonl"
+    lines = ledger.read_text().splitlines()
+    ledger.write_text("\n".join([lines[0], "garbage {", *lines[1:]]) + "\n")
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 12
+    rec = again.pilot.last_recovery
+    assert rec is not None and rec.steps_lost is None
+    assert all(torch.equal(model_bits(again.model)[k], bits[12][k]) for k in bits[12])
+    again.step()
+    again.pilot.close()
+    aside = sorted(p.name for p in job.run_dir.iterdir() if ".damaged-" in p.name)
+    assert [n.split(".damaged-")[0] for n in aside] == [ring.name, ledger.name]
+    assert any("heartbeat_rank_00000.ring" in r.message for r in caplog.records)
