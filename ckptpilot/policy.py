@@ -9,6 +9,21 @@ Every model is frozen and rejects unknown keys. Whatever goes wrong surfaces as 
 :class:`~ckptpilot.errors.PolicyError` whose ``key`` is the dotted path in the YAML
 (``scheduler.min_interval``, ``tiers.peer.endpoints[1]``, ``async.max_pending``), so a typo
 never silently falls back to a default.
+
+Bounds: a policy that loads is one the pilot can run, so every check the tiers and the
+scheduler would make later is made here, at load time. Every number has an upper bound far
+beyond what a real run needs (windows of 100,000 probes, timeouts of a day, a PiB of memory)
+because the consumers size buffers, thread pools and socket timeouts from these values: an
+unbounded window is a multi-GB allocation and a timeout of 1e300 s overflows the socket layer.
+Strings, lists and the file itself are bounded for the same reason. The peer tier's endpoint
+count is checked against its shard count, and the remote URL's fsspec protocol against the
+installed backends, because both would otherwise fail only when the pilot starts.
+
+The YAML reader refuses what PyYAML would turn into another exception or an unbounded cost:
+bytes that are not UTF-8, integer literals too long for ``int`` (Python's digit limit),
+nesting deep enough to exhaust the recursion limit, aliases that expand to a huge or
+cyclic value (a "billion laughs" alias bomb: PyYAML shares aliased values, but pydantic's
+error messages repr them in full), and merge keys (``<<``), whose expansion is exponential.
 """
 
 from __future__ import annotations
@@ -18,10 +33,12 @@ import os
 import re
 import reprlib
 import string
+from collections.abc import Hashable
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
+import fsspec
 import yaml
 from pydantic import (
     AfterValidator,
@@ -74,6 +91,37 @@ _BYTE_UNITS = {
     "GiB": 2**30,
     "TiB": 2**40,
 }
+# Upper bounds, each far beyond a real run and small enough to keep memory and time sane.
+_MAX_STEPS = 10**9
+"""Intervals counted in optimizer steps."""
+_MAX_WINDOW = 100_000
+"""Rolling windows: the consumers allocate one slot per entry."""
+_MAX_COUNT = 100_000
+"""Counts of steps, probes or checkpoints (``consecutive``, ``organ_every``, ``*_keep``)."""
+_MAX_SECONDS = 86_400.0
+"""Durations and timeouts: one day; socket timeouts overflow long before 1e300 s."""
+_MAX_RATIO = 1e6
+"""Unitless thresholds (sigmas, relative changes, decades per step): far past any signal."""
+_MAX_BYTES = 2**50
+"""Byte sizes and byte rates: 1 PiB (per second)."""
+_MAX_PEERS = 1024
+"""Peer endpoints and shards: the peer protocol's limit on ``shard_count``."""
+_MAX_THREADS = 1024
+_MAX_PENDING = 64
+"""Saves in flight: each holds a full host copy of the training state."""
+_MAX_PATH_CHARS = 4096
+"""``run_dir`` and ``tiers.remote.url``: Linux's PATH_MAX."""
+_MAX_NAME_CHARS = 256
+_MAX_HOST_CHARS = 255
+"""A DNS name has at most 253 characters; an IPv6 literal with its brackets far fewer."""
+
+# Limits of the YAML reader; a policy file is a few KB, about 60 values, 5 levels deep.
+_MAX_FILE_BYTES = 2**20
+_MAX_YAML_DEPTH = 32
+_MAX_YAML_VALUES = 10_000
+_MAX_INT_CHARS = 64
+"""Longer integer literals are refused before ``int()``, which stops at 4300 digits."""
+
 _BYTE_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 _ENDPOINT_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
 
@@ -120,9 +168,57 @@ def _check_endpoint(value: str) -> str:
     match = _ENDPOINT_RE.fullmatch(value)
     if match is None or not 1 <= int(match.group(2)) <= 65535:
         raise ValueError(
-            f"expected 'host:port' with a port in 1..65535 (IPv6 as '[::1]:port'), got {value!r}"
+            f"expected 'host:port' with a port in 1..65535 (IPv6 as '[::1]:port'), "
+            f"got {reprlib.repr(value)}"
+        )
+    if len(match.group(1)) > _MAX_HOST_CHARS:
+        raise ValueError(
+            f"host name of {len(match.group(1))} characters; a DNS name has at most 253"
         )
     return value
+
+
+def _url_protocols(url: str) -> list[str]:
+    """The fsspec protocols ``url`` names, read as ``fsspec.core.url_to_fs`` reads them.
+
+    A chained URL names one per ``::`` link (``simplecache::s3://bucket/x``), where a bare word
+    is a protocol; a path without ``proto://`` names none (it is local). One-letter schemes are
+    Windows drives, as fsspec's ``split_protocol`` has it.
+    """
+    links = url.split("::") if "::" in url else [url]
+    protocols = []
+    for link in links:
+        bare = len(links) > 1 and re.fullmatch(r"[A-Za-z][A-Za-z0-9+._-]*", link)
+        protocol, _ = fsspec.core.split_protocol(f"{link}://" if bare else link)
+        if protocol:
+            protocols.append(protocol)
+    return protocols
+
+
+def _check_url(url: str) -> str:
+    """Refuse a protocol fsspec does not know, or whose optional package is not installed.
+
+    ``get_filesystem_class`` imports the backend and nothing more: no connection is made.
+    """
+    for protocol in _url_protocols(url):
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            missing = exc.__cause__ if isinstance(exc.__cause__, ModuleNotFoundError) else exc
+            package = (missing.name or "").partition(".")[0]
+            fix = f"pip install {package}" if package else "install the package it names"
+            raise ValueError(
+                f"the {protocol!r} storage in {url!r} needs a package that is not installed "
+                f"({exc}); {fix}, or use a local path"
+            ) from exc
+        except ValueError as exc:
+            close = difflib.get_close_matches(protocol, fsspec.available_protocols(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"unknown storage protocol {protocol!r} in {url!r}; {hint}write a local path "
+                "or an fsspec URL such as file:///data/ckpt or s3://bucket/ckpt"
+            ) from exc
+    return url
 
 
 def _check_nvml(value: object) -> object:
@@ -136,8 +232,11 @@ def _list_to_tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
 
 
-_ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=1)]
+_ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=1, le=_MAX_BYTES)]
 """A positive byte count; YAML may give an int or a string with a unit (``8GiB``)."""
+
+_Seconds = Annotated[float, Field(gt=0, le=_MAX_SECONDS)]
+"""A positive duration of at most a day."""
 
 _Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
 """A peer address, ``host:port``."""
@@ -180,19 +279,19 @@ class LossSignalPolicy(_Section):
     """Loss-trend signal: EWMA of the log10-loss slope (SPEC §4.1)."""
 
     ewma_alpha: float = Field(0.2, gt=0, le=1)
-    window: int = Field(20, ge=2)
-    slope_threshold: float = Field(0.05, gt=0)
-    consecutive: int = Field(3, ge=1)
+    window: int = Field(20, ge=2, le=_MAX_WINDOW)
+    slope_threshold: float = Field(0.05, gt=0, le=_MAX_RATIO)
+    consecutive: int = Field(3, ge=1, le=_MAX_COUNT)
 
 
 class GradSignalPolicy(_Section):
     """Gradient-activity signal: grad-norm outliers against a rolling window (SPEC §4.2)."""
 
-    probe_every: int = Field(10, ge=1)
-    window: int = Field(50, ge=2)
-    k_sigma: float = Field(3.0, gt=0)
-    min_rel_change: float = Field(0.1, ge=0)
-    consecutive: int = Field(2, ge=1)
+    probe_every: int = Field(10, ge=1, le=_MAX_STEPS)
+    window: int = Field(50, ge=2, le=_MAX_WINDOW)
+    k_sigma: float = Field(3.0, gt=0, le=_MAX_RATIO)
+    min_rel_change: float = Field(0.1, ge=0, le=_MAX_RATIO)
+    consecutive: int = Field(2, ge=1, le=_MAX_COUNT)
 
 
 class SystemSignalPolicy(_Section):
@@ -203,22 +302,22 @@ class SystemSignalPolicy(_Section):
     """
 
     nvml: Annotated[Literal["auto", True, False], BeforeValidator(_check_nvml)] = "auto"
-    io_latency_ms: float = Field(15, gt=0)
-    sustained_seconds: float = Field(5, gt=0)
+    io_latency_ms: float = Field(15, gt=0, le=_MAX_SECONDS * 1000)
+    sustained_seconds: _Seconds = 5
 
 
 class SchedulerPolicy(_Section):
     """Adaptive checkpoint scheduler (SPEC §4); intervals are in optimizer steps."""
 
-    base_interval: int = Field(100, ge=1)
-    min_interval: int = Field(10, ge=1)
-    max_interval: int = Field(500, ge=1)
+    base_interval: int = Field(100, ge=1, le=_MAX_STEPS)
+    min_interval: int = Field(10, ge=1, le=_MAX_STEPS)
+    max_interval: int = Field(500, ge=1, le=_MAX_STEPS)
     trigger_threshold: float = Field(0.7, ge=0, le=1)
     weights: SchedulerWeights = Field(default_factory=SchedulerWeights)
     loss: LossSignalPolicy = Field(default_factory=LossSignalPolicy)
     grad: GradSignalPolicy = Field(default_factory=GradSignalPolicy)
     system: SystemSignalPolicy = Field(default_factory=SystemSignalPolicy)
-    organ_every: int = Field(10, ge=1)
+    organ_every: int = Field(10, ge=1, le=_MAX_COUNT)
     young_daly: bool = True
 
     @model_validator(mode="after")
@@ -241,7 +340,7 @@ class SchedulerPolicy(_Section):
 class HeartbeatPolicy(_Section):
     """Level-0 heartbeat: written every ``every`` steps, whatever the scheduler decides."""
 
-    every: int = Field(1, ge=1)
+    every: int = Field(1, ge=1, le=_MAX_STEPS)
 
 
 class LevelsPolicy(_Section):
@@ -258,7 +357,7 @@ class CodecsPolicy(_Section):
     other: CodecName = "auto"
     prefix_bits: int = Field(12, ge=1, le=31)
     zstd_level: int = Field(1, ge=1, le=22)
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0, le=_MAX_THREADS)
 
 
 class MemoryTierPolicy(_Section):
@@ -271,25 +370,55 @@ class MemoryTierPolicy(_Section):
 class PeerTierPolicy(_Section):
     """Peer-memory tier: ``data_shards`` shards plus an optional XOR parity shard (SPEC §6).
 
-    The number of endpoints is not checked against ``data_shards`` here: how many peers are
-    needed and which are alive is the peer tier's decision at save time.
+    ``endpoints`` is the fixed set of peers the tier places shards on; the ``registry`` only
+    keeps the ones it marks down out of placement. So an enabled tier needs at least one
+    distinct endpoint per shard, checked here because the tier refuses to start without them.
+    Which of them are alive is the tier's decision at save time.
+
+    ``lease_seconds`` starts at a second: the tier renews every third of it, and a shorter
+    lease would have the peers drop the shards between renewals. ``probe_interval`` starts at
+    10 ms: it is the period of the placement and registry threads, which would otherwise spin.
     """
 
     enabled: bool = False
-    endpoints: Annotated[tuple[_Endpoint, ...], BeforeValidator(_list_to_tuple)] = ()
-    data_shards: int = Field(3, ge=1)
+    endpoints: Annotated[
+        tuple[_Endpoint, ...], BeforeValidator(_list_to_tuple), Field(max_length=_MAX_PEERS)
+    ] = ()
+    data_shards: int = Field(3, ge=1, le=_MAX_PEERS)
     parity: bool = True
-    lease_seconds: float = Field(600.0, gt=0)
-    timeout_seconds: float = Field(10.0, gt=0)
-    probe_interval: float = Field(1.0, gt=0)
+    lease_seconds: float = Field(600.0, ge=1, le=_MAX_SECONDS)
+    timeout_seconds: _Seconds = 10.0
+    probe_interval: float = Field(1.0, ge=0.01, le=_MAX_SECONDS)
     registry: _Endpoint | None = None
     deltas: Literal["auto", "always", "never"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_peers(self) -> Self:
+        seen: set[str] = set()
+        for i, endpoint in enumerate(self.endpoints):
+            if endpoint in seen:
+                raise _KeyedError(
+                    f"endpoints[{i}]", f"{endpoint!r} is listed twice; list each peer once"
+                )
+            seen.add(endpoint)
+        shards = self.data_shards + (1 if self.parity else 0)
+        if self.enabled and len(self.endpoints) < shards:
+            parity = " + 1 parity" if self.parity else ""
+            raise _KeyedError(
+                "endpoints",
+                f"the peer tier is enabled with {shards} shards ({self.data_shards} data"
+                f"{parity}), each on its own peer, but {len(self.endpoints)} endpoint(s) are "
+                "listed; add endpoints, lower data_shards, or set enabled: false",
+            )
+        return self
 
 
 class RemoteTierPolicy(_Section):
     """Remote persistent tier: an fsspec URL or a local path."""
 
-    url: str = Field("{run_dir}/checkpoints", min_length=1)
+    url: Annotated[str, AfterValidator(_check_url)] = Field(
+        "{run_dir}/checkpoints", min_length=1, max_length=_MAX_PATH_CHARS
+    )
     bandwidth: _ByteSize = 2 * 10**9
 
 
@@ -317,9 +446,9 @@ class BestMetricPolicy(_Section):
     """Never prune the ``keep`` best checkpoints by a metric the user reports
     (``pilot.report_metric(metric, value)``); ``mode`` says whether lower or higher is better."""
 
-    metric: str = Field(min_length=1)
+    metric: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
     mode: Literal["min", "max"] = "min"
-    keep: int = Field(3, ge=1)
+    keep: int = Field(3, ge=1, le=_MAX_COUNT)
 
 
 class RetentionPolicy(_Section):
@@ -327,8 +456,8 @@ class RetentionPolicy(_Section):
 
     critical_score: float = Field(0.8, ge=0, le=1)
     important_score: float = Field(0.5, ge=0, le=1)
-    important_keep: int = Field(3, ge=1)
-    routine_keep: int = Field(1, ge=1)
+    important_keep: int = Field(3, ge=1, le=_MAX_COUNT)
+    routine_keep: int = Field(1, ge=1, le=_MAX_COUNT)
     best: BestMetricPolicy | None = None
 
     @model_validator(mode="after")
@@ -352,7 +481,7 @@ class ObservabilityPolicy(_Section):
 class AsyncPolicy(_Section):
     """Background save pipeline; ``max_pending`` saves in flight before the training blocks."""
 
-    max_pending: int = Field(2, ge=1)
+    max_pending: int = Field(2, ge=1, le=_MAX_PENDING)
 
 
 class Policy(_Section):
@@ -369,7 +498,7 @@ class Policy(_Section):
 
     model_config = ConfigDict(populate_by_name=True)
 
-    run_dir: str = Field("runs/default", min_length=1)
+    run_dir: str = Field("runs/default", min_length=1, max_length=_MAX_PATH_CHARS)
     scheduler: SchedulerPolicy = Field(default_factory=SchedulerPolicy)
     levels: LevelsPolicy = Field(default_factory=LevelsPolicy)
     codecs: CodecsPolicy = Field(default_factory=CodecsPolicy)
@@ -447,13 +576,29 @@ def load_policy(
 
 def _read_yaml(source: str) -> dict[Any, Any]:
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        with Path(source).open("rb") as file:
+            raw = file.read(_MAX_FILE_BYTES + 1)
     except FileNotFoundError as exc:
         raise PolicyError("", f"policy file not found: {source}") from exc
-    except OSError as exc:
+    except IsADirectoryError as exc:
+        raise PolicyError("", f"{source} is a directory; pass the policy YAML file") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise PolicyError("", f"cannot read policy file {source}: {exc}") from exc
+    if len(raw) > _MAX_FILE_BYTES:
+        raise PolicyError(
+            "", f"{source} is over {_MAX_FILE_BYTES // 2**20} MiB; a policy file is a few KB"
+        )
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds no objects
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise PolicyError(
+            "",
+            f"{source}:{line}: byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8 "
+            "(comments included); save the file as UTF-8",
+        ) from exc
+    try:
+        data = yaml.load(text, Loader=_PolicyLoader)  # a SafeLoader: builds no objects
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -468,21 +613,145 @@ def _read_yaml(source: str) -> dict[Any, Any]:
     return data
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key repeated in one mapping, which YAML would let win silently."""
+_PATTERN_TAGS = frozenset(
+    f"tag:yaml.org,2002:{kind}" for kind in ("bool", "int", "float", "timestamp")
+)
+"""Tags whose constructors only work on values that match the resolver's pattern for them."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+
+class _PolicyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses what no policy needs and what would escape as another error.
+
+    Refused: a key repeated in one mapping (YAML would let the last one win silently), nesting
+    deeper than ``_MAX_YAML_DEPTH`` (the composer recurses per level), a document whose values,
+    with every alias expanded, exceed ``_MAX_YAML_VALUES`` or ``_MAX_YAML_DEPTH`` or contain
+    themselves, merge keys, integer literals longer than ``_MAX_INT_CHARS``, and an explicit
+    ``!!int`` / ``!!float`` / ``!!bool`` / ``!!timestamp`` on a value not written that way.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        if self._depth >= _MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"nested deeper than {_MAX_YAML_DEPTH} levels; a policy has at most 5",
+                self.peek_event().start_mark,
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # PyYAML's int/float/bool/timestamp constructors trust the resolver's pattern; a tag
+        # written out (``!!int x``) skips it and they fail with IndexError, ValueError...
+        if (
+            isinstance(node, yaml.ScalarNode)
+            and node.tag in _PATTERN_TAGS
+            and self.resolve(yaml.ScalarNode, node.value, (True, False)) != node.tag
+        ):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{reprlib.repr(node.value)} is not a valid !!{node.tag.rpartition(':')[2]}",
+                node.start_mark,
+            )
+        return super().construct_object(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > _MAX_INT_CHARS:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"integer literal of {len(node.value)} characters; no policy value needs more "
+                f"than {_MAX_INT_CHARS}",
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, yaml.MappingNode):  # ``!!set 0``: the base class refuses it
+            return super().construct_mapping(node, deep=deep)
         seen: set[Any] = set()
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 continue
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    "merge keys (<<) are not supported; write the keys out",
+                    key_node.start_mark,
+                )
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # ``!!omap`` as a key: the base class refuses it
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                    None, None, f"duplicate key {reprlib.repr(key)}", key_node.start_mark
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_PolicyLoader.add_constructor("tag:yaml.org,2002:int", _PolicyLoader.construct_yaml_int)
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a node graph that, with its aliases expanded, is too big, too deep or cyclic.
+
+    PyYAML shares one node (and one Python value) between an anchor and its aliases, so nine
+    aliases nine levels deep cost nothing to load but expand to 9**9 values for whoever
+    prints them, and ``&a [*a]`` contains itself. Sizes and depths are computed once per
+    node, bottom up, without recursion: alias chains can be far deeper than the text.
+    """
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    open_nodes: set[int] = set()  # ancestors of the node being visited
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = _children(node)
+        if children_done:
+            open_nodes.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(child)] for child in children)
+            depth[id(node)] = 1 + max((depth[id(child)] for child in children), default=0)
+            if size[id(node)] > _MAX_YAML_VALUES:
+                problem = f"holds more than {_MAX_YAML_VALUES} values; a policy has about 60"
+            elif depth[id(node)] > _MAX_YAML_DEPTH:
+                problem = f"is nested deeper than {_MAX_YAML_DEPTH} levels; a policy has 5"
+            else:
+                continue
+            raise yaml.composer.ComposerError(
+                None, None, f"with its aliases expanded, this value {problem}", node.start_mark
+            )
+        if id(node) in size:
+            continue
+        if id(node) in open_nodes:
+            raise yaml.composer.ComposerError(
+                None, None, "an alias refers to a value that contains it", node.start_mark
+            )
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
 
 
 def _resolve(template: dict[str, Any], source: str | None) -> Policy:
@@ -569,12 +838,21 @@ def _policy_error(exc: ValidationError, source: str | None = None) -> PolicyErro
         message = _unknown_key_message(parts[-1] if parts else "", parent)
     else:
         summary = _TYPE_MESSAGES.get(error["type"], error["msg"])
-        message = f"{summary} (got {reprlib.repr(error['input'])})"
+        message = f"{summary} (got {_brief(error['input'])})"
     if len(errors) > 1:
         message += f"; {len(errors) - 1} more problem(s) after this one"
     if source is not None:
         message += f" [in {source}]"
     return PolicyError(".".join(parts), message)
+
+
+def _brief(value: object) -> str:
+    """A short repr; a value holding an int past Python's digit limit for ``str()`` (which
+    only a model built in Python can hold: YAML integers are bounded) is named by type."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:
+        return f"<{type(value).__name__} too large to show>"
 
 
 def _yaml_path(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | None]:
@@ -594,10 +872,16 @@ def _yaml_path(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] |
         parent = model
         name, field = _field(model, str(item))
         parts.append(name)
-        annotation = field.annotation if field is not None else None
-        is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-        model = annotation if is_model else None
+        model = _model_of(field.annotation) if field is not None else None
     return parts, parent
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The section model an annotation holds, directly or as ``Model | None``."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def _field(model: type[BaseModel], key: str) -> tuple[str, FieldInfo | None]:

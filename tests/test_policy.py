@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import textwrap
+import traceback
 from pathlib import Path
+from typing import Any, get_args
 
+import hypothesis.strategies as st
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from pydantic import BaseModel
 
 from ckptpilot.errors import PolicyError
 from ckptpilot.policy import (
@@ -310,8 +317,8 @@ def test_interpolation_reaches_every_string(tmp_path: Path) -> None:
 
 
 def test_literal_braces_are_escaped(tmp_path: Path) -> None:
-    policy = load_text(tmp_path, "tiers:\n  remote: {url: 's3://b/{{x}}/{run_dir}'}")
-    assert policy.tiers.remote.url == "s3://b/{x}/runs/default"
+    policy = load_text(tmp_path, "tiers:\n  remote: {url: 'memory://b/{{x}}/{run_dir}'}")
+    assert policy.tiers.remote.url == "memory://b/{x}/runs/default"
 
 
 @pytest.mark.parametrize("url", ["{rundir}/ck", "{run_dir!r}", "{run_dir:>9}", "{}", "a}b", "{a"])
@@ -351,10 +358,9 @@ def test_with_run_dir_keeps_changes_made_after_loading() -> None:
 
 def test_with_run_dir_keeps_an_explicit_url() -> None:
     loaded = load_policy(None, run_dir="/a")
-    pinned = loaded.model_copy(
-        update={"tiers": loaded.tiers.model_copy(update={"remote": RemoteTierPolicy(url="s3://b")})}
-    )
-    assert pinned.with_run_dir("/b").tiers.remote.url == "s3://b"
+    remote = RemoteTierPolicy(url="memory://b")
+    pinned = loaded.model_copy(update={"tiers": loaded.tiers.model_copy(update={"remote": remote})})
+    assert pinned.with_run_dir("/b").tiers.remote.url == "memory://b"
 
 
 def test_policies_compare_and_hash_by_value() -> None:
@@ -390,8 +396,8 @@ def test_to_yaml_round_trips(tmp_path: Path) -> None:
         scheduler: {base_interval: 50, weights: {loss: 0.5, grad: 0.5, system: 0.0}}
         tiers:
           memory: {max_bytes: 2GiB}
-          peer: {enabled: true, endpoints: ['h1:7000', 'h2:7000']}
-          remote: {url: 's3://bucket/{run_dir}'}
+          peer: {enabled: true, endpoints: ['h1:7000', 'h2:7000', 'h3:7000', 'h4:7000']}
+          remote: {url: 'memory://bucket/{run_dir}'}
         async: {max_pending: 3}
         """,
     )
@@ -405,5 +411,439 @@ def test_to_yaml_round_trips(tmp_path: Path) -> None:
     changed = original.model_copy(update={"async_": AsyncPolicy(max_pending=1)})
     path.write_text(changed.to_yaml(), encoding="utf-8")
     assert load_policy(path) == changed
-    assert again.tiers.remote.url == "s3://bucket//data/exp9"
-    assert again.with_run_dir("/x").tiers.remote.url == "s3://bucket//x"
+    assert again.tiers.remote.url == "memory://bucket//data/exp9"
+    assert again.with_run_dir("/x").tiers.remote.url == "memory://bucket//x"
+
+
+# --- every value is bounded -----------------------------------------------------------------
+
+
+def section_of(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def leaf_fields(model: type[BaseModel] = Policy, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of the policy as its dotted YAML path and annotation, sections walked."""
+    found: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name)
+        section = section_of(field.annotation)
+        if section is None:
+            found[key] = field.annotation
+        else:
+            found |= leaf_fields(section, f"{key}.")
+    return found
+
+
+LEAVES = leaf_fields()
+NUMERIC = sorted(key for key, annotation in LEAVES.items() if annotation in (int, float))
+FLOATS = sorted(key for key in NUMERIC if LEAVES[key] is float)
+WEIGHTS = "scheduler.weights"  # bounded together: non-negative, summing to 1
+
+
+def setting(key: str, value: object) -> dict[str, Any]:
+    """A policy tree that sets ``key`` (a dotted path) to ``value`` and nothing else of note."""
+    tree: dict[str, Any] = {}
+    node = tree
+    *sections, leaf = key.split(".")
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[leaf] = value
+    if sections == ["retention", "best"] and leaf != "metric":
+        node["metric"] = "val_loss"
+    return tree
+
+
+def load_tree(tmp_path: Path, tree: dict[str, Any]) -> Policy:
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(tree), encoding="utf-8")
+    return load_policy(path)
+
+
+def blamed(key: str) -> str:
+    return WEIGHTS if key.startswith(f"{WEIGHTS}.") else key
+
+
+def test_the_walk_reaches_every_section() -> None:
+    assert {
+        "scheduler.grad.window",
+        "scheduler.weights.loss",
+        "levels.heartbeat.every",
+        "codecs.threads",
+        "tiers.memory.max_bytes",
+        "tiers.peer.timeout_seconds",
+        "tiers.remote.bandwidth",
+        "retention.best.keep",
+        "async.max_pending",
+    } <= set(NUMERIC)
+    assert "tiers.peer.lease_seconds" in FLOATS
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+def test_every_numeric_field_has_an_upper_bound(tmp_path: Path, key: str) -> None:
+    """Consumers size buffers, pools and timeouts from these: none may be unbounded."""
+    with pytest.raises(PolicyError, match=r"less than or equal to|must sum to 1") as info:
+        load_tree(tmp_path, setting(key, 10**60))
+    assert info.value.key == blamed(key)
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+def test_every_numeric_field_refuses_negatives(tmp_path: Path, key: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_tree(tmp_path, setting(key, -1))
+    assert info.value.key == blamed(key)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("key", FLOATS)
+def test_every_float_field_refuses_non_finite_values(
+    tmp_path: Path, key: str, value: float
+) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_tree(tmp_path, setting(key, value))
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("run_dir", "r" * 5000),
+        ("tiers.remote.url", "u" * 5000),
+        ("retention.best.metric", "m" * 300),
+        ("tiers.peer.endpoints", [f"h{i}:7000" for i in range(1025)]),
+        ("tiers.peer.endpoints", ["h" * 300 + ":7000"]),
+        ("tiers.peer.registry", "r" * 300 + ":7000"),
+    ],
+)
+def test_strings_and_lists_are_bounded(tmp_path: Path, key: str, value: object) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_tree(tmp_path, setting(key, value))
+    assert info.value.key.startswith(key)
+
+
+def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
+    policy = load_text(
+        tmp_path,
+        """\
+        scheduler:
+          base_interval: 1000000
+          max_interval: 1000000
+          loss: {window: 100000, slope_threshold: 1000.0}
+          grad: {window: 100000, probe_every: 1000}
+          system: {sustained_seconds: 3600}
+        codecs: {threads: 256}
+        tiers:
+          memory: {max_bytes: 2TiB}
+          peer: {data_shards: 63, lease_seconds: 86400, timeout_seconds: 600,
+                 probe_interval: 0.05}
+          remote: {bandwidth: 100GB}
+        retention: {routine_keep: 1000, best: {metric: val_loss, keep: 100}}
+        async: {max_pending: 8}
+        """,
+    )
+    assert policy.scheduler.grad.window == 100_000
+    assert policy.tiers.memory.max_bytes == 2 * 2**40
+    assert policy.tiers.peer.timeout_seconds == 600
+
+
+# --- the cases of the issue: each used to escape as another exception or fail later --------
+
+
+@pytest.mark.parametrize("window", [100_000_000_000, 200_000_000])
+def test_a_grad_window_that_would_exhaust_memory_is_refused(tmp_path: Path, window: int) -> None:
+    with pytest.raises(PolicyError, match="less than or equal to 100000") as info:
+        load_text(tmp_path, f"scheduler:\n  grad: {{window: {window}}}")
+    assert info.value.key == "scheduler.grad.window"
+
+
+def test_a_timeout_that_overflows_sockets_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="less than or equal to 86400") as info:
+        load_text(tmp_path, "tiers:\n  peer: {timeout_seconds: 1.0e+300}")
+    assert info.value.key == "tiers.peer.timeout_seconds"
+
+
+def test_a_byte_that_is_not_utf8_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(b"run_dir: x\n# caf\xe9 au lait\nasync: {max_pending: 2}\n")
+    with pytest.raises(PolicyError, match=rf"{path}:2: byte 0xe9 at offset 16 is not UTF") as info:
+        load_policy(path)
+    assert info.value.key == ""
+
+
+@pytest.mark.parametrize("literal", ["9" * 5000, "0x" + "f" * 5000, "1" * 65])
+def test_an_integer_too_long_for_any_policy_value_is_refused(tmp_path: Path, literal: str) -> None:
+    path = write_policy(tmp_path, f"run_dir: x\nasync: {{max_pending: {literal}}}\n")
+    with pytest.raises(PolicyError, match=rf"{path}:2: invalid YAML: integer literal of") as info:
+        load_policy(path)
+    assert info.value.key == ""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "bogus: " + "[" * 20_000 + "]" * 20_000,
+        "bogus: " + "{a: " * 20_000 + "1" + "}" * 20_000,
+        "".join(" " * level + "a:\n" for level in range(600)) + " " * 600 + "b: 1\n",
+    ],
+    ids=["flow-lists", "flow-mappings", "block-mappings"],
+)
+def test_deep_nesting_is_refused_before_the_recursion_limit(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(PolicyError, match=r"invalid YAML: nested deeper than 32 levels"):
+        load_policy(path)
+
+
+BILLION_LAUGHS = """\
+a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+def test_an_alias_bomb_is_refused_before_anything_expands_it(tmp_path: Path) -> None:
+    """PyYAML shares aliased values, so loading is cheap; what must not happen is a later
+    repr of the 9**9 values (pydantic's message for the unknown key ``i`` is one)."""
+    path = write_policy(tmp_path, BILLION_LAUGHS)
+    with pytest.raises(PolicyError, match=rf"{path}:5: invalid YAML: .* more than 10000 values"):
+        load_policy(path)
+
+
+def test_a_refused_alias_bomb_prints_a_short_traceback(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_text(tmp_path, BILLION_LAUGHS)
+    assert len("".join(traceback.format_exception(info.value))) < 10_000
+
+
+def test_an_alias_chain_deeper_than_the_text_is_refused(tmp_path: Path) -> None:
+    chain = [f"x{i}: &x{i} [*x{i - 1}]" for i in range(1, 40)]
+    text = "\n".join(["x0: &x0 [1]", *chain, "tiers: {peer: {endpoints: *x39}}"])
+    with pytest.raises(PolicyError, match="with its aliases expanded, this value is nested deeper"):
+        load_text(tmp_path, text)
+
+
+@pytest.mark.parametrize("text", ["bogus: &a [*a]", "tiers: {peer: {endpoints: &a [*a]}}"])
+def test_an_alias_inside_its_own_value_is_refused(tmp_path: Path, text: str) -> None:
+    with pytest.raises(PolicyError, match="invalid YAML: an alias refers to a value that contains"):
+        load_text(tmp_path, text)
+
+
+def test_merge_keys_are_refused_with_a_fix(tmp_path: Path) -> None:
+    text = "x: &beat {every: 2}\nlevels:\n  heartbeat: {<<: *beat}\n"
+    with pytest.raises(PolicyError, match=r":3: invalid YAML: merge keys \(<<\) are not supported"):
+        load_text(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("!!int ", "'' is not a valid !!int"),
+        ("async: {max_pending: !!int two}", "'two' is not a valid !!int"),
+        ("scheduler: {trigger_threshold: !!float high}", "'high' is not a valid !!float"),
+        ("scheduler: {young_daly: !!bool maybe}", "'maybe' is not a valid !!bool"),
+        ("run_dir: !!timestamp soon", "'soon' is not a valid !!timestamp"),
+        ("!!set 0", "expected a mapping node"),
+        ("!!omap :", "found unhashable key"),
+    ],
+)
+def test_explicit_tags_and_keys_pyyaml_cannot_build_are_yaml_errors(
+    tmp_path: Path, text: str, match: str
+) -> None:
+    """PyYAML's scalar constructors trust the resolver's patterns, which an explicit tag skips:
+    these raised IndexError, ValueError and TypeError."""
+    with pytest.raises(PolicyError, match=rf":1: invalid YAML: {re.escape(match)}") as info:
+        load_text(tmp_path, text)
+    assert info.value.key == ""
+
+
+def test_an_explicit_tag_that_agrees_with_the_value_is_fine(tmp_path: Path) -> None:
+    assert load_text(tmp_path, "async: {max_pending: !!int '3'}").async_.max_pending == 3
+
+
+def test_a_directory_is_not_a_policy_file(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=f"{tmp_path} is a directory; pass the policy YAML file"):
+        load_policy(tmp_path)
+
+
+def test_a_nul_byte_in_the_path_is_a_policy_error(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"cannot read policy file .*null byte"):
+        load_policy(f"{tmp_path}/a\0b.yaml")
+
+
+def test_a_file_over_a_mebibyte_is_refused_unread(tmp_path: Path) -> None:
+    path = write_policy(tmp_path, "run_dir: x\n" + "# padding\n" * 110_000)
+    with pytest.raises(PolicyError, match=rf"{path} is over 1 MiB; a policy file is a few KB"):
+        load_policy(path)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("nope://bucket/ck", "unknown storage protocol 'nope' in 'nope://bucket/ck'"),
+        ("fiel:///data/ck", "unknown storage protocol 'fiel' .*did you mean 'file'"),
+        ("simplecache::nope://b/ck", "unknown storage protocol 'nope'"),
+        ("nope::/data/ck", "unknown storage protocol 'nope'"),
+    ],
+)
+def test_an_unknown_storage_protocol_is_refused(tmp_path: Path, url: str, match: str) -> None:
+    with pytest.raises(PolicyError, match=match) as info:
+        load_text(tmp_path, f"tiers:\n  remote: {{url: '{url}'}}")
+    assert info.value.key == "tiers.remote.url"
+
+
+def test_a_protocol_that_arrives_through_run_dir_is_checked_too(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="unknown storage protocol 'nope'") as info:
+        load_policy(None, run_dir="nope://bucket/run")
+    assert info.value.key == "tiers.remote.url"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed")
+def test_a_storage_backend_that_is_not_installed_names_the_package(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"'s3' storage .* not installed .*pip install s3fs") as e:
+        load_text(tmp_path, "tiers:\n  remote: {url: 's3://bucket/{run_dir}'}")
+    assert e.value.key == "tiers.remote.url"
+
+
+@pytest.mark.parametrize(
+    "url", ["/data/ck", "relative/ck", "file:///data/ck", "memory://ck", "simplecache::file:///x"]
+)
+def test_installed_protocols_and_local_paths_load(tmp_path: Path, url: str) -> None:
+    assert load_text(tmp_path, f"tiers:\n  remote: {{url: '{url}'}}").tiers.remote.url == url
+
+
+PEERS = ["h1:7000", "h2:7000", "h3:7000", "h4:7000"]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"endpoints": PEERS[:3]}, r"4 shards \(3 data \+ 1 parity\).* but 3 endpoint"),
+        ({"endpoints": []}, r"4 shards .* but 0 endpoint"),
+        ({"endpoints": PEERS[:2], "data_shards": 2, "parity": False}, None),
+        ({"endpoints": PEERS[:2], "data_shards": 3, "parity": False}, r"3 shards \(3 data\)"),
+        ({"endpoints": PEERS, "data_shards": 4}, r"5 shards \(4 data \+ 1 parity\)"),
+        ({"endpoints": PEERS}, None),
+    ],
+)
+def test_an_enabled_peer_tier_needs_one_endpoint_per_shard(
+    tmp_path: Path, options: dict[str, object], match: str | None
+) -> None:
+    tree = {"tiers": {"peer": {"enabled": True, **options}}}
+    if match is None:
+        assert load_tree(tmp_path, tree).tiers.peer.enabled
+        return
+    with pytest.raises(PolicyError, match=match) as info:
+        load_tree(tmp_path, tree)
+    assert info.value.key == "tiers.peer.endpoints"
+
+
+def test_a_disabled_peer_tier_does_not_count_endpoints(tmp_path: Path) -> None:
+    policy = load_tree(tmp_path, {"tiers": {"peer": {"enabled": False, "endpoints": PEERS[:1]}}})
+    assert policy.tiers.peer.endpoints == ("h1:7000",)
+
+
+def test_a_repeated_endpoint_names_the_repeat(tmp_path: Path) -> None:
+    endpoints = [*PEERS, "h2:7000"]
+    with pytest.raises(PolicyError, match="'h2:7000' is listed twice") as info:
+        load_tree(tmp_path, {"tiers": {"peer": {"endpoints": endpoints}}})
+    assert info.value.key == "tiers.peer.endpoints[4]"
+
+
+@pytest.mark.parametrize(
+    ("best", "key", "match"),
+    [
+        ("{metric: '', mode: min}", "retention.best.metric", "at least 1 character"),
+        ("{metric: val_loss, mode: up}", "retention.best.mode", "'min' or 'max'"),
+        ("{metric: val_loss, keep: 0}", "retention.best.keep", "greater than or equal to 1"),
+        ("{mode: min}", "retention.best.metric", "Field required"),
+        ("{metric: val_loss, mod: min}", "retention.best.mod", "did you mean 'mode'"),
+    ],
+)
+def test_errors_inside_retention_best_name_the_field(
+    tmp_path: Path, best: str, key: str, match: str
+) -> None:
+    with pytest.raises(PolicyError, match=match) as info:
+        load_text(tmp_path, f"retention:\n  best: {best}")
+    assert info.value.key == key
+
+
+def test_moving_a_policy_that_holds_a_huge_int_is_a_policy_error() -> None:
+    """A model built in Python can hold an int too long for ``repr``; the message says so."""
+    huge = AsyncPolicy.model_construct(max_pending=10**5000)
+    policy = load_policy(None).model_copy(update={"async_": huge})
+    with pytest.raises(PolicyError, match=r"\(got <int too large to show>\)") as info:
+        policy.with_run_dir("/r")
+    assert info.value.key == "async.max_pending"
+
+
+# --- nothing but PolicyError ----------------------------------------------------------------
+
+SECTIONS = sorted({key.rsplit(".", 1)[0] for key in LEAVES if "." in key})
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**70), max_value=10**70)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.sampled_from(["8GiB", "h:1", "[::1]:2", "auto", "{run_dir}", "nope://x", "memory://x"])
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(sorted(LEAVES)) | st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+ANY_TREE = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@ANY_TREE
+@given(st.dictionaries(st.sampled_from(sorted(LEAVES) + SECTIONS), VALUES, max_size=6))
+def test_any_policy_tree_loads_or_raises_policy_error(
+    tmp_path: Path, settings_by_key: dict[str, Any]
+) -> None:
+    """Any value at any key, or nested under it, either loads or names what is wrong."""
+    tree: dict[str, Any] = {}
+    for key, value in settings_by_key.items():
+        node = tree
+        *sections, leaf = key.split(".")
+        for section in sections:
+            child = node.setdefault(section, {})
+            node = child if isinstance(child, dict) else {}
+        node[leaf] = value
+    try:
+        load_tree(tmp_path, tree)
+    except PolicyError as exc:
+        assert str(exc)
+
+
+YAML_TEXT = st.text(alphabet="[]{}:,&*!|>-<?'\"#%@`\n \t\\abx01e9.+", max_size=80)
+SNIPPETS = st.sampled_from(
+    ["&a ", "*a", "<<: ", "!!int ", "!!python/name:os.system ", "0x" + "f" * 70, "9" * 70, "\xff"]
+)
+
+
+@ANY_TREE
+@given(st.lists(YAML_TEXT | SNIPPETS, max_size=8).map("".join), st.binary(max_size=4))
+def test_any_text_loads_or_raises_policy_error(tmp_path: Path, text: str, tail: bytes) -> None:
+    """YAML syntax, tags, anchors and stray bytes in any order: a policy or a PolicyError."""
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(text.encode() + tail)
+    try:
+        load_policy(path)
+    except PolicyError as exc:
+        assert str(exc)
