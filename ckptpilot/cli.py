@@ -1,6 +1,8 @@
 """The ``ckptpilot`` command: one entry point, one subcommand per job.
 
 Bad input never produces a traceback: it is one line on stderr naming the problem, exit 2.
+So does a run operation's ``OSError`` (an unreadable, unwritable or missing file): the line
+names the file.
 """
 
 from __future__ import annotations
@@ -58,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr = run_parser("prune", "apply the retention classes: remove what no rule keeps")
     pr.add_argument("--dry-run", action="store_true", help="print the plan only")
     va = run_parser("validate", "re-verify every checkpoint; mark failures corrupted")
-    va.add_argument("--rebuild", action="store_true",
-                    help="recreate a lost metadata database from the checkpoint manifests")
+    va_mode = va.add_mutually_exclusive_group()
+    va_mode.add_argument("--rebuild", action="store_true",
+                         help="recreate a lost or damaged metadata database from the checkpoint "
+                         "manifests (the old file is kept, renamed)")
+    va_mode.add_argument("--dry-run", action="store_true",
+                         help="re-verify and report only; mark nothing (read-only)")
     from ckptpilot.tiers.peer.daemon import add_peer_parser
 
     add_peer_parser(sub)
@@ -99,10 +105,22 @@ def main(argv: list[str] | None = None) -> int:
                                   force=args.force, out=out)
         if args.command == "prune":
             return runops.prune(policy, dry_run=args.dry_run, out=out)
-        return runops.validate(policy, rebuild=args.rebuild, out=out)
+        return runops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
     except (CkptPilotError, DemoError) as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"ckptpilot {args.command}: error: {_describe_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _describe_os_error(error: OSError) -> str:
+    """``strerror: file`` (both files of a failed rename), and what to check."""
+    if error.filename is None:
+        return str(error)
+    files = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
+    return (f"{error.strerror or type(error).__name__}: {files}; check that it exists and that "
+            "this user may read (and, for changes, write) it and its directory")
 
 
 if __name__ == "__main__":

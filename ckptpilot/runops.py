@@ -2,14 +2,16 @@
 
 Each function takes a resolved policy (its ``run_dir`` names the run), prints what it does,
 and returns an exit status. Bad input raises :class:`OpError` (the CLI prints it on one line,
-exit 2). A ``dry_run`` never writes: not the checkpoints, not the metadata, not the audit
-table. This module owns no format: archives, the metadata store, the retention planner and
-the post-write validator do the work.
+exit 2). ``ls`` and every ``dry_run`` open the metadata read-only: they write nothing (not the
+checkpoints, not the metadata, not the audit table, no lease) and work in a run directory the
+user cannot write. This module owns no format: archives, the metadata store, the retention
+planner and the post-write validator do the work.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,12 +21,20 @@ from ckptpilot.errors import CheckpointFormatError, CkptPilotError
 from ckptpilot.pilot import RECOVER_PIN
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
+from ckptpilot.rundir import read_run_id, run_identity
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
-from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status, Tier
+from ckptpilot.storage.metadata import (
+    CheckpointRow,
+    MetadataCorruptError,
+    MetadataStore,
+    Status,
+    Tier,
+)
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 
 DB_NAME = "metadata.sqlite"
+_DB_SUFFIXES = ("", "-wal", "-shm")
 
 
 class OpError(CkptPilotError):
@@ -56,22 +66,39 @@ def _age(seconds: float) -> str:
 
 
 class Run:
-    """The run directory, its remote tier and (when it exists) its metadata store."""
+    """The run directory, its remote tier and (when it exists) its metadata store.
+
+    ``run_id`` is the key of the run's rows: the id in the directory's ``run_id`` file, so a
+    copied or renamed directory keeps its history; the folder's name for a directory that has
+    no id yet, or whose rows are still keyed by its name (its pilot re-keys them on its next
+    start). Settled by :meth:`store`, which also records in ``other_run_ids`` the rows the
+    database holds under any other id.
+    """
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.dir = Path(policy.run_dir)
         if not self.dir.is_dir():
             raise OpError(f"run directory {self.dir} does not exist (check --run-dir)")
-        self.run_id = self.dir.name
+        self.run_id = read_run_id(self.dir) or self.dir.name
+        self.other_run_ids: dict[str, int] = {}
         self.db_path = self.dir / DB_NAME
         self.remote = RemoteTier(policy.tiers.remote.url)
 
-    def store(self) -> MetadataStore:
-        if not self.db_path.exists():
+    def store(self, *, read_only: bool = False) -> MetadataStore:
+        if not os.path.lexists(self.db_path):
             raise OpError(f"no metadata database at {self.db_path}; rebuild it from the "
                           "checkpoints with `ckptpilot validate --rebuild`")
-        return MetadataStore(self.db_path)
+        store = MetadataStore(self.db_path, read_only=read_only)
+        try:
+            counts = store.run_ids()
+        except BaseException:
+            store.close()
+            raise
+        if self.run_id not in counts and self.dir.name in counts:
+            self.run_id = self.dir.name
+        self.other_run_ids = {k: n for k, n in counts.items() if k != self.run_id}
+        return store
 
     def published(self) -> list[tuple[int, int, str]]:
         """(step, rank, name) of every published checkpoint, oldest first."""
@@ -89,7 +116,7 @@ class Run:
 
 def ls(policy: Policy, out: TextIO) -> int:
     run = Run(policy)
-    with run.store() as store:
+    with run.store(read_only=True) as store:
         rows = store.rows(run.run_id)
     now = time.time()
     table = [(r.step, r.rank, r.level.value, r.tier.value, r.status.value,
@@ -97,7 +124,13 @@ def ls(policy: Policy, out: TextIO) -> int:
               _size(r.bytes_encoded), _age(now - r.created_at),
               "-" if r.metric_name is None else f"{r.metric_name}={r.metric_value:.4g}")
              for r in rows]
-    if not table:
+    if not table and run.other_run_ids:
+        others = ", ".join(f"{k} ({n} rows)" for k, n in run.other_run_ids.items())
+        print(f"no checkpoints recorded for run id {run.run_id}; {run.db_path} has rows "
+              f"recorded under run id {others}: it holds another run's history (a copy made "
+              "before the run had an id?); `ckptpilot validate --rebuild` records this run's "
+              "published checkpoints under its own id", file=out)
+    elif not table:
         print(f"no checkpoints recorded for run {run.run_id}", file=out)
     else:
         _table(table, ("step", "rank", "level", "tier", "status", "class", "score", "size",
@@ -119,7 +152,7 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
     makes the next ``restore()`` load exactly this step whatever its metadata status.
     """
     run = Run(policy)
-    with run.store() as store:
+    with run.store(read_only=dry_run) as store:
         published = run.published()
         targets = [(rk, n) for s, rk, n in published if s == step]
         if not targets:
@@ -191,7 +224,7 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
     run = Run(policy)
     best = policy.retention.best
     best_policy = None if best is None else BestPolicy(best.metric, best.mode, best.keep)
-    with run.store() as store:
+    with run.store(read_only=dry_run) as store:
         exists, remove = _remover(run)
         if not dry_run:
             fixed = repair(store, exists, remove)  # type: ignore[arg-type]
@@ -218,22 +251,56 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
     return 1 if report.failed else 0
 
 
-def validate(policy: Policy, *, rebuild: bool, out: TextIO) -> int:
+def _set_aside(db_path: Path, label: str) -> Path:
+    """Rename the database (with its ``-wal`` and ``-shm`` files) to a name no file has yet;
+    returns the new name. A damaged file is evidence, so it is never deleted."""
+    stamp = int(time.time())
+    aside = db_path.with_name(f"{DB_NAME}.{label}-{stamp}")
+    n = 0
+    while any(os.path.lexists(f"{aside}{suffix}") for suffix in _DB_SUFFIXES):
+        n += 1
+        aside = db_path.with_name(f"{DB_NAME}.{label}-{stamp}.{n}")
+    for suffix in _DB_SUFFIXES:
+        if os.path.lexists(f"{db_path}{suffix}"):
+            os.rename(f"{db_path}{suffix}", f"{aside}{suffix}")
+    return aside
+
+
+def _is_damaged(db_path: Path) -> bool:
+    try:
+        with MetadataStore(db_path, read_only=True) as store:
+            store.rows()  # a file may open cleanly and fail on the first page a query reads
+            store.audit_log()
+    except MetadataCorruptError:
+        return True
+    except CkptPilotError:  # readable, only not usable here (a newer schema, say): kept as is
+        return False
+    return False
+
+
+def validate(policy: Policy, *, rebuild: bool, out: TextIO, dry_run: bool = False) -> int:
     """Re-verify every published checkpoint (hashes, and the load test unless the policy
-    disables it); mark failures ``corrupted``. ``rebuild`` first recreates the metadata
-    database from the manifests (an existing one is kept beside it, renamed)."""
+    disables it); mark failures ``corrupted``; exit status 1 when any is corrupted.
+
+    ``rebuild`` first recreates the metadata database from the manifests, keyed by the run's
+    id (created if the directory has none); an existing file is renamed, never deleted:
+    ``.damaged-<unix time>`` when it cannot be read, ``.before-rebuild-<unix time>``
+    otherwise. ``dry_run`` reports the same results and marks nothing.
+    """
+    if rebuild and dry_run:
+        raise OpError("--rebuild writes a new database; it cannot be combined with --dry-run")
     run = Run(policy)
-    if rebuild and run.db_path.exists():
-        aside = run.db_path.with_name(f"{DB_NAME}.before-rebuild-{int(time.time())}")
-        for suffix in ("", "-wal", "-shm"):
-            src = Path(str(run.db_path) + suffix)
-            if src.exists():
-                src.rename(Path(str(aside) + suffix))
-        print(f"kept the previous database as {aside}", file=out)
-    store = MetadataStore(run.db_path) if rebuild else run.store()
+    if rebuild:
+        run.run_id = run_identity(run.dir)
+        if os.path.lexists(run.db_path):
+            label = "damaged" if _is_damaged(run.db_path) else "before-rebuild"
+            aside = _set_aside(run.db_path, label)
+            print(f"kept the previous database as {aside}", file=out)
+    store = MetadataStore(run.db_path) if rebuild else run.store(read_only=dry_run)
     validator = PostWriteValidator(policy.validation)
     table = []
     bad = 0
+    would_mark = {Status.VALID: 0, Status.CORRUPTED: 0}
     try:
         for step, rank, name in run.published():
             key = (run.run_id, step, rank, "remote")
@@ -247,11 +314,18 @@ def validate(policy: Policy, *, rebuild: bool, out: TextIO) -> int:
             row = store.get(key)
             if row is None and rebuild and manifest is not None:
                 row = _row_from_manifest(store, run, manifest, name)
-            if row is not None:
-                if result_ok and row.status is Status.PENDING:
-                    store.mark(key, Status.VALID)
-                elif not result_ok and row.status in (Status.VALID, Status.PENDING):
-                    store.mark(key, Status.CORRUPTED, note=f"validate: {reason}")
+            target = None
+            if row is not None and result_ok and row.status is Status.PENDING:
+                target = Status.VALID
+            elif row is not None and not result_ok and row.status in (Status.VALID,
+                                                                        Status.PENDING):
+                target = Status.CORRUPTED
+            if target is not None and dry_run:
+                would_mark[target] += 1
+            elif target is Status.VALID:
+                store.mark(key, target)
+            elif target is Status.CORRUPTED:
+                store.mark(key, target, note=f"validate: {reason}")
             bad += not result_ok
             table.append((step, rank, "-" if manifest is None else manifest["level"],
                           "ok" if result_ok else "CORRUPTED", reason))
@@ -266,6 +340,9 @@ def validate(policy: Policy, *, rebuild: bool, out: TextIO) -> int:
         print(f"{len(debris)} unfinished save(s) left by killed writers: {', '.join(debris)} "
               "(the next restore() removes them)", file=out)
     print(f"{len(table) - bad} ok, {bad} corrupted", file=out)
+    if dry_run:
+        print(f"dry run: would mark {would_mark[Status.CORRUPTED]} row(s) corrupted and "
+              f"{would_mark[Status.VALID]} pending row(s) valid; nothing changed", file=out)
     return 1 if bad else 0
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptpilot.cli import main
+
 
 def ckptpilot(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptpilot", *args], capture_output=True,
@@ -54,6 +56,8 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     (["demo", "--config", "/nonexistent/p.yaml"], "/nonexistent/p.yaml"),
     (["nope"], "invalid choice: 'nope'"),
     ([], "the following arguments are required: command"),
+    (["validate", "--dry-run", "--rebuild"],
+     "argument --rebuild: not allowed with argument --dry-run"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     out = ckptpilot(*args, cwd=tmp_path)
@@ -79,3 +83,39 @@ def test_bad_policy_key_is_named(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "scheduler.min_interval" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``ckptpilot ARGS`` in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.parametrize("command", [
+    ["ls"], ["validate"], ["validate", "--dry-run"], ["prune"], ["prune", "--dry-run"],
+    ["recover", "--step", "4"], ["recover", "--step", "4", "--dry-run"],
+], ids=" ".join)
+def test_a_damaged_metadata_database_is_one_line_exit_2_naming_it_and_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    db = tmp_path / "metadata.sqlite"
+    db.write_bytes(b"this is not a database" * 200)
+    (tmp_path / "checkpoints").mkdir()
+    status, out, err = run_main(capsys, *command, "--run-dir", tmp_path)
+    assert (status, out) == (2, "")
+    assert err == (f"ckptpilot {command[0]}: error: {db}: the metadata database is damaged "
+                   "(file is not a database); `ckptpilot validate --rebuild` moves it aside "
+                   "(kept, not deleted) and rebuilds the database from the checkpoints\n")
+    assert db.read_bytes() == b"this is not a database" * 200
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metadata.sqlite"]
+
+
+def test_an_os_error_in_a_run_operation_is_one_line_naming_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run_id").mkdir()  # where the run's id file belongs
+    status, out, err = run_main(capsys, "ls", "--run-dir", tmp_path)
+    assert (status, out) == (2, "")
+    assert err == (f"ckptpilot ls: error: Is a directory: {tmp_path / 'run_id'}; check that it "
+                   "exists and that this user may read (and, for changes, write) it and its "
+                   "directory\n")

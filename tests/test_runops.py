@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -16,7 +17,10 @@ import torch
 from helpers import archive_tensors
 
 from ckptpilot import CheckpointPilot, load_policy
+from ckptpilot.cli import main
+from ckptpilot.rundir import read_run_id
 from ckptpilot.storage import archive
+from ckptpilot.storage.metadata import MetadataStore
 
 
 def policy_file(tmp_path: Path) -> Path:
@@ -212,3 +216,151 @@ def test_bad_input_is_one_line_exit_2(run: tuple[Path, Path], args: list[str],
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert message in out.stderr
     assert tree_digest(run_dir) == before
+
+
+# --- a damaged or unreachable metadata database: one line, exit 2; --rebuild recovers ---------
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``ckptpilot ARGS`` in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 40)
+
+
+def _truncated(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+
+
+def _header_zeroed(path: Path) -> None:
+    path.write_bytes(bytes(100) + path.read_bytes()[100:])
+
+
+def _directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+    (path / "stray").write_text("not a database")
+
+
+DAMAGE = {"garbage": _garbage, "truncated": _truncated, "header zeroed": _header_zeroed,
+          "a directory": _directory}
+
+
+def contents(path: Path) -> object:
+    return {p.name: p.read_bytes() for p in path.iterdir()} if path.is_dir() \
+        else path.read_bytes()
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_database_is_one_line_exit_2_and_rebuild_recovers_keeping_it(
+        run: tuple[Path, Path], capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    cfg, run_dir = run
+    db = run_dir / "metadata.sqlite"
+    assert sorted(p.name for p in run_dir.glob("metadata.sqlite*")) == ["metadata.sqlite"]
+    DAMAGE[damage](db)
+    damaged = contents(db)
+    for command in (["ls"], ["validate"]):
+        status, out, err = run_cli(capsys, *command, "--run-dir", run_dir, "--config", cfg)
+        assert (status, out) == (2, ""), (command, out, err)
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"ckptpilot {command[0]}: error: {db}"), err
+        assert "`ckptpilot validate --rebuild` moves it aside (kept, not deleted)" in err
+
+    status, out, err = run_cli(capsys, "validate", "--rebuild", "--run-dir", run_dir,
+                               "--config", cfg)
+    assert (status, err) == (0, ""), out
+    [aside] = run_dir.glob("metadata.sqlite.damaged-*")
+    assert f"kept the previous database as {aside}\n" in out
+    assert contents(aside) == damaged
+    status, out, _ = run_cli(capsys, "ls", "--run-dir", run_dir, "--config", cfg)
+    assert status == 0
+    assert [(int(r["step"]), r["status"]) for r in table(out)] == [
+        (10, "valid"), (8, "valid"), (6, "valid"), (4, "valid"), (2, "valid")]
+
+
+def test_validate_rebuild_keeps_a_healthy_database_under_its_own_name(
+        run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    cfg, run_dir = run
+    before = (run_dir / "metadata.sqlite").read_bytes()
+    status, out, _ = run_cli(capsys, "validate", "--rebuild", "--run-dir", run_dir,
+                             "--config", cfg)
+    assert status == 0
+    [aside] = run_dir.glob("metadata.sqlite.before-rebuild-*")
+    assert aside.read_bytes() == before and f"kept the previous database as {aside}" in out
+
+
+def mtimes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}
+
+
+def test_read_only_commands_change_no_file_and_validate_dry_run_marks_nothing(
+        run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    cfg, run_dir = run
+    newest = archive_tensors(run_dir / "checkpoints" / archive.checkpoint_name(10, 0))
+    data = bytearray(newest.read_bytes())
+    data[len(data) - 5] ^= 0x04
+    newest.write_bytes(bytes(data))
+    before, stamps = tree_digest(run_dir), mtimes(run_dir)
+
+    status, out, err = run_cli(capsys, "validate", "--dry-run", "--run-dir", run_dir,
+                               "--config", cfg)
+    assert (status, err) == (1, "")
+    assert [r["result"] for r in table(out)] == ["ok"] * 4 + ["CORRUPTED"]
+    assert out.endswith("4 ok, 1 corrupted\ndry run: would mark 1 row(s) corrupted and 0 "
+                        "pending row(s) valid; nothing changed\n")
+    for command in (["ls"], ["recover", "--step", "6", "--dry-run"], ["prune", "--dry-run"]):
+        status, out, err = run_cli(capsys, *command, "--run-dir", run_dir, "--config", cfg)
+        assert (status, err) == (0, ""), command
+    assert {r["status"] for r in table(out)} == {"valid"}  # prune's plan: nothing was marked
+    assert tree_digest(run_dir) == before and mtimes(run_dir) == stamps
+
+
+# --- the run's id: a copied or renamed directory keeps its history -----------------------------
+
+
+def test_a_copied_run_dir_lists_and_prunes_its_history(
+        run: tuple[Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg, run_dir = run
+    with MetadataStore(run_dir / "metadata.sqlite", read_only=True) as store:
+        assert store.run_ids() == {read_run_id(run_dir): 5}  # keyed by the id, not "run"
+    copy = tmp_path / "pr"
+    shutil.copytree(run_dir, copy)
+    original = tree_digest(run_dir)
+
+    status, out, _ = run_cli(capsys, "ls", "--run-dir", copy, "--config", cfg)
+    assert status == 0
+    assert [int(r["step"]) for r in table(out)] == [10, 8, 6, 4, 2]
+    status, out, _ = run_cli(capsys, "prune", "--run-dir", copy, "--config", cfg)
+    assert status == 0 and "removed 3 checkpoint(s)" in out
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == [
+        archive.checkpoint_name(s, 0) for s in (4, 10)]
+    assert tree_digest(run_dir) == original
+
+
+def test_ls_says_when_the_rows_belong_to_another_run_id(
+        run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    cfg, run_dir = run
+    recorded = read_run_id(run_dir)
+    (run_dir / "run_id").write_text("0123456789abcdef")
+    status, out, _ = run_cli(capsys, "ls", "--run-dir", run_dir, "--config", cfg)
+    assert status == 0
+    assert out.startswith(
+        f"no checkpoints recorded for run id 0123456789abcdef; {run_dir / 'metadata.sqlite'} "
+        f"has rows recorded under run id {recorded} (5 rows): it holds another run's history")
+    assert "`ckptpilot validate --rebuild` records this run's published checkpoints" in out
+
+
+def test_rows_keyed_by_the_folder_name_are_still_found(
+        run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory whose rows predate its id: until its pilot re-keys them, they are the
+    run's rows."""
+    cfg, run_dir = run
+    with MetadataStore(run_dir / "metadata.sqlite") as store:
+        assert store.adopt_run_id(read_run_id(run_dir) or "", run_dir.name) == 5
+    status, out, _ = run_cli(capsys, "ls", "--run-dir", run_dir, "--config", cfg)
+    assert status == 0 and [int(r["step"]) for r in table(out)] == [10, 8, 6, 4, 2]
