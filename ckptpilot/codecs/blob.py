@@ -24,6 +24,13 @@ a tensor is built. Codecs split their payload into several sections (per chunk, 
 that checksums are computed and verified by worker threads next to the data they belong to.
 XXH3 (~30 GB/s here) rather than crc32 (~6 GB/s, a sixth of byteplane's encode time) or a
 cryptographic hash: the container adds a SHA256 per tensor.
+
+Checksums catch accidents, not a hostile or buggy writer: a header can be forged with valid
+checksums. So nothing a header says is trusted for an allocation: shapes are capped
+(:data:`MAX_NDIM` dimensions, :data:`MAX_TENSOR_BYTES`), and codecs call
+:meth:`Frame.check_sections` before allocating the tensor, which ties its size to the payload
+bytes actually present (exactly for stored sections, within :data:`MAX_EXPANSION` for
+zstd-coded ones, whose frames must also record that size: ``entropy.check_payload``).
 """
 
 from __future__ import annotations
@@ -49,6 +56,15 @@ _COUNT = struct.Struct("<I")
 _ENTRIES = {1: struct.Struct("<QI"), 2: struct.Struct("<QQ")}  # length, checksum
 _CHECKSUMS: dict[int, Callable[[Buffer], int]] = {1: zlib.crc32, 2: xxhash.xxh3_64_intdigest}
 _CRC = struct.Struct("<I")
+
+MAX_NDIM = 64
+"""The most dimensions a blob's shape may have (NumPy's limit)."""
+MAX_TENSOR_BYTES = 1 << 48
+"""The largest tensor a blob may describe (256 TiB): far beyond any real tensor, small enough
+that sizes stay exact in 64-bit arithmetic."""
+MAX_EXPANSION = 1 << 15
+"""How many bytes one byte of zstd-coded payload can decode to at most: a zstd block decodes
+to at most 128 KiB and takes at least 4 bytes (an RLE block)."""
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """What ``encode_parts`` returns and ``decode`` accepts: any contiguous bytes-like object."""
@@ -122,12 +138,38 @@ class Frame:
             raise CheckpointFormatError(f"{self.codec} blob: checksum mismatch in section {index}")
         return data
 
+    def unverified_section(self, index: int) -> memoryview:
+        """Section ``index`` without checking its checksum: only for reading the size it
+        claims, to refuse a forged one before allocating (:meth:`section` checks it later)."""
+        offset, length, _ = self._table[index]
+        return self._blob[offset : offset + length]
+
     def expect_sections(self, count: int) -> None:
         """Raise unless the blob has exactly ``count`` sections."""
         if self.n_sections != count:
             raise CheckpointFormatError(
                 f"{self.codec} blob: expected {count} payload sections, found {self.n_sections}"
             )
+
+    def check_sections(self, parts: Sequence[tuple[int, bool]]) -> None:
+        """Raise unless there is one section per ``(nbytes, coded)`` part and each can hold
+        its ``nbytes`` of the tensor: a stored section is exactly that long, a zstd-coded one
+        at least ``nbytes / MAX_EXPANSION``.
+
+        Codecs call it before they allocate the tensor, so that a forged header (with valid
+        checksums) cannot make them allocate more than the payload can fill.
+        """
+        self.expect_sections(len(parts))
+        for index, ((nbytes, coded), (_, length, _)) in enumerate(
+            zip(parts, self._table, strict=True)
+        ):
+            if (length * MAX_EXPANSION < nbytes) if coded else (length != nbytes):
+                kind = "zstd-coded" if coded else "stored"
+                raise CheckpointFormatError(
+                    f"{self.codec} blob: section {index} has {length} bytes, which cannot be "
+                    f"the {kind} form of {nbytes} bytes of the {self.dtype} tensor of shape "
+                    f"{list(self.shape)} its header describes"
+                )
 
     def param(self, name: str, kind: type, lo: int | None = None, hi: int | None = None) -> Any:
         """A header parameter of type ``kind`` (ints optionally within [lo, hi]), or raise."""
@@ -247,24 +289,52 @@ def _bytes_view(blob: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def tensor_nbytes(shape: object, dtype: torch.dtype, what: str) -> int:
+    """The byte size of a tensor of ``shape`` (a list of ints from a header) and ``dtype``;
+    :class:`CheckpointFormatError` naming ``what`` unless the shape is a list of at most
+    :data:`MAX_NDIM` non-negative ints describing at most :data:`MAX_TENSOR_BYTES`."""
+    if (
+        not isinstance(shape, list | tuple)
+        or len(shape) > MAX_NDIM
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_BYTES
+            for d in shape
+        )
+    ):
+        raise CheckpointFormatError(
+            f"{what} has a bad shape {shape!r:.200} (expected at most {MAX_NDIM} "
+            "non-negative integers)"
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        raise CheckpointFormatError(
+            f"{what} describes a tensor of {nbytes} bytes (shape {list(shape)} of {dtype}), "
+            f"more than the {MAX_TENSOR_BYTES} a checkpoint tensor may have"
+        )
+    return nbytes
+
+
 def _parse_header(text: bytes) -> tuple[str, torch.dtype, tuple[int, ...], int, dict[str, Any]]:
     try:
         header = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a number too long
         raise CheckpointFormatError(f"codec blob header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise CheckpointFormatError("codec blob header is not a JSON object")
     codec, dtype_name = header.get("codec"), header.get("dtype")
     shape, nbytes, params = header.get("shape"), header.get("nbytes"), header.get("params")
-    if not isinstance(codec, str) or dtype_name not in DTYPES or not isinstance(params, dict):
-        raise CheckpointFormatError(f"codec blob header is malformed: {header!r:.200}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    if (
+        not isinstance(codec, str)
+        or not isinstance(dtype_name, str)
+        or dtype_name not in DTYPES
+        or not isinstance(params, dict)
     ):
-        raise CheckpointFormatError(f"codec blob header has a bad shape: {shape!r:.200}")
+        raise CheckpointFormatError(f"codec blob header is malformed: {header!r:.200}")
     dtype = DTYPES[dtype_name]
-    if nbytes != math.prod(shape) * dtype.itemsize:
+    expected = tensor_nbytes(shape, dtype, "codec blob header")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes != expected:
         raise CheckpointFormatError(
-            f"codec blob header: nbytes {nbytes!r} does not match shape {shape} of {dtype_name}"
+            f"codec blob header: nbytes {nbytes!r:.40} does not match shape {shape} of "
+            f"{dtype_name}"
         )
     return codec, dtype, tuple(shape), nbytes, params

@@ -39,7 +39,13 @@ from ckptpilot.codecs.base import (
     word_runs,
 )
 from ckptpilot.codecs.blob import Frame, Section
-from ckptpilot.codecs.entropy import Compressor, compressor, decompress_into, literal_compressor
+from ckptpilot.codecs.entropy import (
+    Compressor,
+    check_payload,
+    compressor,
+    decompress_into,
+    literal_compressor,
+)
 from ckptpilot.codecs.registry import register_codec
 from ckptpilot.errors import CheckpointFormatError
 
@@ -185,7 +191,12 @@ def decode_planes(frame: Frame, threads: int, xor_with: np.ndarray | None = None
     chunk = frame.param("chunk", int, lo=1)
     segments = _check_segments(frame, frame.param("segments", list), itemsize)
     n_chunks = -(-n // chunk)
-    frame.expect_sections(n_chunks * len(segments))
+    frame.expect_sections(n_chunks * len(segments))  # first: it bounds the list below
+    check_payload(frame, [
+        ((min(n, start + chunk) - start) * width, mode == ZSTD)
+        for start in range(0, n, chunk)
+        for _, width, mode in segments
+    ])
     out = np.empty(frame.nbytes, np.uint8)
     # A zstd plane inside the element is decompressed into a per-chunk scratch of its own (pairs
     # of neighbouring planes are merged before they are scattered).
@@ -206,13 +217,8 @@ def decode_planes(frame: Frame, threads: int, xor_with: np.ndarray | None = None
                 dest = span if width == itemsize else next(planes)
                 decompress_into(data, dest, f"{frame.codec} blob, section {number}")
                 parts.append((lo, width, dest))
-            elif len(data) == (stop - start) * width:
+            else:  # its size was checked before anything was allocated
                 parts.append((lo, width, np.frombuffer(data, f"<u{width}")))
-            else:
-                raise CheckpointFormatError(
-                    f"{frame.codec} blob: raw section {number} has {len(data)} bytes, "
-                    f"expected {(stop - start) * width}"
-                )
         for lo, width, part in _pair_bytes(parts, itemsize):
             if width != itemsize:
                 scatter(span, itemsize, lo, width, part, base)
@@ -254,7 +260,11 @@ def _check_segments(frame: Frame, raw: list[Any], itemsize: int) -> list[Segment
     segments: list[Segment] = []
     expect = 0
     for item in raw:
-        ok = isinstance(item, list) and len(item) == 3
+        ok = (
+            isinstance(item, list)
+            and len(item) == 3
+            and all(type(v) is int for v in item[:2])  # not bool, not float
+        )
         if ok:
             lo, width, mode = item
             ok = (

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ckptpilot.codecs.base import Codec, tensor_bytes
-from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES, Buffer, read_header
+from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES, Buffer, read_header, tensor_nbytes
 from ckptpilot.codecs.registry import decode_blob
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 
@@ -230,7 +230,7 @@ def read_index(fileobj: BinaryIO) -> ContainerIndex:
         raise CheckpointFormatError("container index checksum mismatch")
     try:
         return _parse_index(json.loads(index_bytes), index_offset)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         raise CheckpointFormatError(f"container index is malformed: {exc}") from exc
 
 
@@ -253,7 +253,7 @@ def read_container(
         raise IntegrityError("meta", index.meta_sha256, hashlib.sha256(meta_bytes).hexdigest())
     try:
         meta = json.loads(meta_bytes)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointFormatError(f"container meta is not valid JSON: {exc}") from exc
     if not isinstance(meta, dict):
         raise CheckpointFormatError("container meta is not a JSON object")
@@ -308,10 +308,15 @@ def _parse_index(data: dict[str, Any], index_offset: int) -> ContainerIndex:
     entries, names = [], set()
     offset = _HEADER.size + _CRC.size
     for item in data["tensors"]:
+        name, dtype_name = _typed(item["name"], str), _typed(item["dtype"], str)
+        if dtype_name not in DTYPES:
+            raise ValueError(f"entry {name!r} has an unknown dtype {dtype_name!r}")
+        dtype = DTYPES[dtype_name]
+        nbytes = tensor_nbytes(item["shape"], dtype, f"entry {name!r}")
         entry = TensorEntry(
-            name=_typed(item["name"], str),
-            dtype=DTYPES[item["dtype"]],
-            shape=tuple(_typed(d, int) for d in item["shape"]),
+            name=name,
+            dtype=dtype,
+            shape=tuple(item["shape"]),
             codec=_typed(item["codec"], str),
             params=_typed(item["params"], dict),
             raw_bytes=_typed(item["raw_bytes"], int),
@@ -321,11 +326,15 @@ def _parse_index(data: dict[str, Any], index_offset: int) -> ContainerIndex:
         )
         if entry.name in names or entry.offset != offset or entry.encoded_bytes < 0:
             raise ValueError(f"entry {entry.name!r} is duplicated or misplaced")
+        if entry.raw_bytes != nbytes:
+            raise ValueError(f"entry {entry.name!r} says raw_bytes {entry.raw_bytes}, but its "
+                             f"shape {list(entry.shape)} of {dtype_name} has {nbytes}")
         names.add(entry.name)
         entries.append(entry)
         offset += entry.encoded_bytes
     meta = data["meta"]
-    if meta["offset"] != offset or offset + _typed(meta["length"], int) != index_offset:
+    length = _typed(meta["length"], int)
+    if _typed(meta["offset"], int) != offset or length < 0 or offset + length != index_offset:
         raise ValueError("the meta section is misplaced")
     return ContainerIndex(tuple(entries), offset, meta["length"], _typed(meta["sha256"], str))
 

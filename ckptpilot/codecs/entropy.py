@@ -1,9 +1,11 @@
 """The zstd entropy stage shared by the codecs: compressor profiles and exact decompression.
 
 Owns: which zstd parameters a level means for byte planes and index streams, the
-literals-only profile for planes without repeated strings, and decoding a zstd frame into a
-caller's buffer that it must fill exactly. Must not: decide what to compress (the codecs do)
-or share zstd contexts between calls (they are not thread-safe; one is made per call, ~10 µs).
+literals-only profile for planes without repeated strings, decoding a zstd frame into a
+caller's buffer that it must fill exactly, and refusing (:func:`check_payload`) coded
+sections that cannot decode to the size the blob's header gives, before it is allocated.
+Must not: decide what to compress (the codecs do) or share zstd contexts between calls (they
+are not thread-safe; one is made per call, ~10 µs).
 
 Byte planes of float tensors carry their redundancy in the symbol distribution, not in repeated
 strings, so zstd gains from Huffman-coding literals and loses time hunting matches. Two profiles:
@@ -28,11 +30,13 @@ with python-zstandard. Levels 2-22 are zstd's standard levels.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import zstandard
 
+from ckptpilot.codecs.blob import Frame
 from ckptpilot.errors import CheckpointFormatError
 
 try:
@@ -93,12 +97,40 @@ def literal_compressor() -> Compressor:
     return _LiteralCompressor()
 
 
+def check_payload(frame: Frame, parts: Sequence[tuple[int, bool]]) -> None:
+    """:meth:`Frame.check_sections`, and each zstd-coded part's frame must record its exact
+    size (``(nbytes, coded)`` per section): called before the tensor is allocated, so a
+    forged size is refused before anything of it is allocated."""
+    frame.check_sections(parts)
+    for index, (nbytes, coded) in enumerate(parts):
+        if coded:
+            where = f"{frame.codec} blob, section {index}"
+            check_frame(frame.unverified_section(index), nbytes, where)
+
+
+def check_frame(data: memoryview | bytes, nbytes: int, what: str) -> None:
+    """Raise unless the zstd frame in ``data`` may decompress to exactly ``nbytes``: its
+    header's content size (every frame the codecs write records it) must be ``nbytes``.
+
+    Called before the caller allocates ``nbytes``, so that a forged size is refused first.
+    """
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise CheckpointFormatError(f"{what}: zstd data is corrupt: {exc}") from exc
+    if declared not in (-1, nbytes):  # -1: not recorded (frames of other writers)
+        raise CheckpointFormatError(
+            f"{what}: the zstd frame holds {declared} bytes, expected {nbytes}"
+        )
+
+
 def decompress_into(data: memoryview | bytes, out: np.ndarray, what: str) -> None:
     """Decompress one zstd frame into the contiguous array ``out``, which it must fill exactly.
 
     Writing into ``out`` (instead of a new ``bytes``) spares an allocation and a copy.
     """
     view = memoryview(out.reshape(-1).view(np.uint8))
+    check_frame(data, len(view), what)
     filled = 0
     try:
         with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:

@@ -43,7 +43,7 @@ from ckptpilot.codecs.base import (
 from ckptpilot.codecs.bitpack import pack, part_sizes, unpack_into
 from ckptpilot.codecs.blob import Frame, Section
 from ckptpilot.codecs.byteplane import decode_planes, encode_planes
-from ckptpilot.codecs.entropy import compressor, decompress_into
+from ckptpilot.codecs.entropy import check_payload, compressor, decompress_into
 from ckptpilot.codecs.registry import register_codec
 from ckptpilot.errors import CheckpointFormatError
 
@@ -202,8 +202,18 @@ class PrefixIndexCodec(FramedCodec):
             n_index = len(part_sizes(index_bits, np.dtype(index_dtype).itemsize, 0))
         n_low = len(part_sizes(shift, itemsize, 0))
         n_groups = -(-n // group)
-        frame.expect_sections(1 + n_groups * (n_index + n_low))
-        table = np.frombuffer(_sized(frame, 0, distinct * itemsize), f"<u{itemsize}")
+        frame.expect_sections(1 + n_groups * (n_index + n_low))  # first: it bounds the list
+        parts = [(distinct * itemsize, False)]
+        for start in range(0, n, group):
+            rows = min(n, start + group) - start
+            if entropy:
+                parts += [(rows, True)] * n_index
+            else:
+                parts += [(size, False) for size in part_sizes(
+                    index_bits, np.dtype(index_dtype).itemsize, rows)]
+            parts += [(size, False) for size in part_sizes(shift, itemsize, rows)]
+        check_payload(frame, parts)
+        table = np.frombuffer(frame.section(0), f"<u{itemsize}")
         if table.max() >= 1 << prefix_bits:
             raise CheckpointFormatError("prefix_index blob: table entry out of range")
         shifted = table.astype(f"<u{itemsize}") << np.dtype(f"<u{itemsize}").type(shift)
@@ -222,24 +232,13 @@ class PrefixIndexCodec(FramedCodec):
                     decompress_into(frame.section(first + b), plane, f"prefix_index group {g}")
                     index.view(np.uint8)[b::2] = plane
             else:
-                sizes = part_sizes(index_bits, index.itemsize, stop - start)
-                parts = [_sized(frame, first + i, size) for i, size in enumerate(sizes)]
-                unpack_into(parts, index.view(np.uint8), index.itemsize, index_bits)
+                packed = [frame.section(first + i) for i in range(n_index)]
+                unpack_into(packed, index.view(np.uint8), index.itemsize, index_bits)
             if index.size and int(index.max()) >= distinct:
                 raise CheckpointFormatError(f"prefix_index blob: index out of range in group {g}")
             np.take(shifted, index, out=words[start:stop], mode="clip")
-            sizes = part_sizes(shift, itemsize, stop - start)
-            parts = [_sized(frame, first + n_index + i, size) for i, size in enumerate(sizes)]
-            unpack_into(parts, out[itemsize * start : itemsize * stop], itemsize, shift)
+            low = [frame.section(first + n_index + i) for i in range(n_low)]
+            unpack_into(low, out[itemsize * start : itemsize * stop], itemsize, shift)
 
         parallel_map(decode_group, range(n_groups), threads)
         return out
-
-
-def _sized(frame: Frame, number: int, size: int) -> memoryview:
-    data = frame.section(number)
-    if len(data) != size:
-        raise CheckpointFormatError(
-            f"prefix_index blob: section {number} has {len(data)} bytes, expected {size}"
-        )
-    return data

@@ -33,7 +33,7 @@ class RawCodec(FramedCodec):
         return {}, [Section.of(tensor_bytes(tensor))]
 
     def _decode(self, frame: Frame, base: torch.Tensor | None) -> np.ndarray:
-        frame.expect_sections(1)
+        frame.check_sections([(frame.nbytes, False)])
         out = np.empty(frame.nbytes, np.uint8)
         out[:] = np.frombuffer(frame.section(0), np.uint8)
         return out

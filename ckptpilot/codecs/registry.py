@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ckptpilot.codecs.base import Codec, CodecParamError
+from ckptpilot.codecs.base import Codec, CodecParamError, FramedCodec
 from ckptpilot.codecs.blob import BlobHeader, Buffer, read_header
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError
 
@@ -40,6 +40,11 @@ def register_codec(cls: _C) -> _C:
 def codec_names() -> tuple[str, ...]:
     """The registered codec ids, sorted."""
     return tuple(sorted(_CODECS))
+
+
+def _leaf_codec_names() -> tuple[str, ...]:
+    """The registered codecs that write blobs of their own (the ids a blob may name), sorted."""
+    return tuple(name for name in codec_names() if issubclass(_CODECS[name], FramedCodec))
 
 
 def codec_class(name: str) -> type[Codec]:
@@ -74,7 +79,11 @@ def decode_blob(
     blob: Buffer, base: torch.Tensor | None = None, *, threads: int = 0
 ) -> torch.Tensor:
     """Decode any blob with the codec named in its header (``base`` for delta codecs;
-    ``threads`` workers for codecs that use them, 0 = all cores)."""
+    ``threads`` workers for codecs that use them, 0 = all cores).
+
+    Only codecs that write blobs of their own can be named there: a blob naming ``auto``
+    (which delegates, and would dispatch back here without end) is refused as forged.
+    """
     name = read_header(blob).codec
     if name not in _CODECS:
         raise CheckpointFormatError(
@@ -82,5 +91,11 @@ def decode_blob(
             f"{', '.join(codec_names())}"
         )
     cls = _CODECS[name]
+    if not issubclass(cls, FramedCodec):
+        raise CheckpointFormatError(
+            f"blob names codec {name!r}, which writes no blobs of its own (blobs name the "
+            f"codec that wrote them: {', '.join(_leaf_codec_names())}); the blob is forged "
+            "or corrupt"
+        )
     params = {"threads": threads} if "threads" in inspect.signature(cls).parameters else {}
     return cls(**params).decode(blob, base)

@@ -107,6 +107,14 @@ class XorDeltaCodec(PlaneCodec):
         return {**params, "base_crc": base_crc(base)}, sections
 
     def _decode(self, frame: Frame, base: torch.Tensor | None) -> np.ndarray:
+        if isinstance(base, torch.Tensor) and (base.dtype, tuple(base.shape)) != (
+            frame.dtype, frame.shape
+        ):  # the blob's header or the base is not what it should be: the blob cannot decode
+            raise CheckpointFormatError(
+                f"xor_delta blob holds a tensor of shape {frame.shape} and dtype {frame.dtype}, "
+                f"but the base has shape {tuple(base.shape)} and dtype {base.dtype}; decode it "
+                "with the state it was saved against"
+            )
         base = check_base(frame.dtype, frame.shape, base)
         if base_crc(base) != frame.param("base_crc", int, lo=0):
             raise CheckpointFormatError(

@@ -14,7 +14,7 @@ import torch
 
 from ckptpilot.codecs.base import LevelThreadsCodec, resolve_threads, tensor_bytes
 from ckptpilot.codecs.blob import Frame, Section
-from ckptpilot.codecs.entropy import compressor, decompress_into
+from ckptpilot.codecs.entropy import check_payload, compressor, decompress_into
 from ckptpilot.codecs.registry import register_codec
 
 
@@ -33,7 +33,7 @@ class ZstdCodec(LevelThreadsCodec):
         return {}, [Section.of(compressor(self.level, threads).compress(data))]
 
     def _decode(self, frame: Frame, base: torch.Tensor | None) -> np.ndarray:
-        frame.expect_sections(1)
+        check_payload(frame, [(frame.nbytes, True)])
         out = np.empty(frame.nbytes, np.uint8)
         decompress_into(frame.section(0), out, "zstd blob")
         return out
