@@ -10,9 +10,11 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from peerdaemons import Daemon, restart, revive, start, stop_all
 from ckptpilot.codecs import get_codec
 from ckptpilot.policy import PeerTierPolicy
 from ckptpilot.tiers.peer import PeerRequestError, PeerTier, PeerUnavailable
+from ckptpilot.tiers.peer.daemon import PeerDaemon
 from ckptpilot.tiers.peer.errors import NotEnoughPeers
 from ckptpilot.tiers.peer.parity import shard_size
 from ckptpilot.tiers.peer.placement import PeerReading, PeerStatus, Placement, rank_peers
@@ -312,10 +315,18 @@ def _put_head(payload_len: int) -> bytes:
     return PRELUDE.pack(b"CKPP", 1, int(Op.PUT), len(raw), payload_len) + raw
 
 
+def _list_frame(run_id: bytes) -> bytes:
+    raw = b'{"run_id": ' + run_id + b"}"
+    return PRELUDE.pack(b"CKPP", 1, int(Op.LIST), len(raw), 0) + raw
+
+
 @pytest.mark.parametrize(("kind", "data", "reason"), [
     ("garbage", np.random.default_rng(8).bytes(4096), "bad magic"),
     ("truncated", _put_head(8)[:30], "truncated frame"),
     ("oversized", _put_head(2**40), "exceeds this side's limit"),
+    ("huge-integer", _list_frame(b"1" + b"0" * 5000), "not valid UTF-8 JSON"),
+    ("unquotable", _list_frame(json.dumps("\U0001F600" * 6000, ensure_ascii=False).encode()),
+     "field 'run_id' is invalid"),
 ])
 def test_hostile_frames_close_only_that_connection(cluster: list[Daemon], kind: str,
                                                    data: bytes, reason: str) -> None:
@@ -337,6 +348,83 @@ def test_hostile_frames_close_only_that_connection(cluster: list[Daemon], kind: 
     with tier(cluster, f"after-{kind}") as t:
         t.put(1, b"still serving", b"m")
         assert bytes(t.fetch().image) == b"still serving"
+
+
+@contextmanager
+def local_daemon(port: int = 0) -> Iterator[PeerDaemon]:
+    """A daemon serving on a thread of this process, so that a test can read its counters."""
+    daemon = PeerDaemon("127.0.0.1", port, mem_limit=8 * MiB)
+    thread = threading.Thread(target=daemon.serve_forever, name="test-peer-daemon")
+    thread.start()
+    try:
+        yield daemon
+    finally:
+        daemon.shutdown()
+        thread.join(30)
+
+
+def local_endpoint(daemon: PeerDaemon) -> str:
+    return f"127.0.0.1:{daemon.address[1]}"
+
+
+def test_a_request_that_fails_on_a_daemon_bug_gets_an_internal_error_reply(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with local_daemon() as daemon:
+        def broken(run: str) -> list[dict[str, object]]:
+            raise RuntimeError(f"listing {run} is broken")
+
+        monkeypatch.setattr(daemon.store, "listing", broken)
+        endpoint = local_endpoint(daemon)
+        with pytest.raises(PeerRequestError, match=r"internal error in the peer daemon "
+                           r"\(RuntimeError: listing r is broken\)") as err:
+            call(endpoint, Op.LIST, {"run_id": "r"}, timeout_seconds=10)
+        assert err.value.code == "internal_error"
+        assert call(endpoint, Op.PING, {}, timeout_seconds=10).op is Op.OK
+    assert "after an internal error" in caplog.text
+
+
+def test_the_daemon_queues_at_least_128_connects_before_it_accepts_one() -> None:
+    """A backlog of 5 drops the SYNs of a burst of connects: each costs a retransmit (1 s).
+    The daemon is constructed (listening) but not serving, so nothing is accepted; the
+    timeout is only a safety net against a hang."""
+    daemon = PeerDaemon("127.0.0.1", 0, mem_limit=MiB)
+    connected: list[socket.socket] = []
+    try:
+        for _ in range(128):
+            connected.append(socket.create_connection(daemon.address, timeout=10))
+    finally:
+        for sock in connected:
+            sock.close()
+        daemon.close()
+    assert len(connected) == 128
+
+
+def test_the_client_keeps_one_connection_per_peer_across_requests() -> None:
+    image, meta = np.random.default_rng(3).bytes(10_000), b'{"step": 1}'
+    with local_daemon() as daemon, PeerTier([local_endpoint(daemon)], run_id="reuse",
+                                            data_shards=1, parity=False, probe_interval=3600,
+                                            lease_seconds=60, deltas="never") as t:
+        for ckpt in (1, 2, 3):
+            t.put(ckpt, image, meta)
+            assert bytes(t.fetch().image) == image
+        assert t.list() == [3]
+        assert daemon.connections_accepted == 1
+
+
+def test_a_daemon_restarted_on_the_same_port_is_reached_through_the_same_client() -> None:
+    image, meta = np.random.default_rng(4).bytes(10_000), b'{"step": 1}'
+    with local_daemon() as first:
+        port = first.address[1]
+        t = PeerTier([local_endpoint(first)], run_id="restart", data_shards=1, parity=False,
+                     probe_interval=3600, lease_seconds=60, deltas="never")
+    try:
+        with local_daemon(port) as second:  # empty: the first one's shards are gone
+            assert t.list() == []
+            t.put(2, image, meta)
+            assert bytes(t.fetch().image) == image
+            assert second.connections_accepted == 1
+    finally:
+        t.close()
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_zero(small: Daemon) -> None:

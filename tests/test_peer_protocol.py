@@ -5,22 +5,25 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from ckptpilot.errors import CkptPilotError
-from ckptpilot.tiers.peer.errors import ProtocolError
+from ckptpilot.tiers.peer.errors import PeerRequestError, ProtocolError
 from ckptpilot.tiers.peer.protocol import (
     MAGIC,
     MAX_HEADER_BYTES,
     PRELUDE,
     VERSION,
+    Connections,
     Op,
     encode_head,
     parse_endpoint,
     read_frame,
     read_head,
+    send_error,
     send_frame,
     validate_header,
 )
@@ -121,12 +124,17 @@ PING_HEADER = b"{}"
     (raw_frame(Op.PING, b"\xff\xfe"), "not valid UTF-8 JSON"),
     (raw_frame(Op.PING, b"[1, 2]"), "must be a JSON object"),
     (raw_frame(Op.PING, b"[" * 60_000), "not valid UTF-8 JSON"),
+    (raw_frame(Op.LIST, b'{"run_id": 1' + b"0" * 5000 + b"}"), "not valid UTF-8 JSON.*digits"),
+    (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": 9223372036854775808, "shard_index": 0}'),
+     "field 'ckpt_id' is invalid"),
     (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": 1}'), "missing field 'shard_index'"),
     (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": "1", "shard_index": 0}'),
      "field 'ckpt_id' is invalid"),
     (raw_frame(Op.GET, b'{"run_id": "r", "ckpt_id": true, "shard_index": 0}'),
      "field 'ckpt_id' is invalid"),
     (raw_frame(Op.RENEW, b'{"run_id": "r", "lease_seconds": -1}'),
+     "field 'lease_seconds' is invalid"),
+    (raw_frame(Op.RENEW, b'{"run_id": "r", "lease_seconds": 1' + b"0" * 400 + b"}"),
      "field 'lease_seconds' is invalid"),
     (raw_frame(Op.ERR, b'{"error": "x"}'), "missing field 'code'"),
     (raw_frame(Op.PING, PING_HEADER)[:7], "truncated frame.*prelude"),
@@ -191,6 +199,127 @@ def test_writer_refuses_to_send_an_invalid_header(pair: tuple[socket.socket, soc
         send_frame(pair[0], Op.LIST, {})
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         encode_head(Op.PING, {"pad": "x" * MAX_HEADER_BYTES}, 0)
+
+
+def test_an_error_quoting_a_huge_field_still_fits_in_a_reply(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """Escaped as JSON, 6000 emoji take 72 KB: more than a header may hold."""
+    with pytest.raises(ProtocolError, match="field 'run_id' is invalid") as err:
+        validate_header(Op.LIST, {"run_id": "\U0001F600" * 6000}, 0)
+    assert len(str(err.value)) < 300
+    a, b = pair
+    send_error(a, "bad_request", "\U0001F600" * 6000)
+    reply = read_frame(b, max_payload=LIMIT)
+    assert reply is not None and reply.op is Op.ERR
+    assert reply.header["error"] == "\U0001F600" * 4096 + "... (cut)"
+
+
+# ---------------------------------------------------------------- persistent connections
+
+class ScriptedPeer:
+    """A real TCP server on 127.0.0.1 that plays a script: per connection it accepts, a list
+    of actions for the requests on it, "ok" (reply OK) or "drop" (read the request, then
+    close without replying, as a daemon that stops or dies does). ``received`` lists the ops
+    each connection carried; each is recorded before the client can see the reaction."""
+
+    def __init__(self, script: list[list[str]]) -> None:
+        self.script = script
+        self.received: list[list[Op]] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(10)
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        for actions in self.script:
+            conn, _ = self.listener.accept()
+            ops: list[Op] = []
+            self.received.append(ops)
+            with conn:
+                conn.settimeout(10)
+                for action in actions:
+                    frame = read_frame(conn, max_payload=LIMIT)
+                    if frame is None:
+                        break
+                    ops.append(frame.op)
+                    if action == "drop":
+                        break
+                    send_frame(conn, Op.OK, {})
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.listener.close()
+
+
+def test_a_request_that_meets_a_dead_pooled_connection_is_resent_once_if_safe() -> None:
+    peer = ScriptedPeer([["ok", "drop"], ["ok"]])
+    connections = Connections()
+    try:
+        connections.call(peer.endpoint, Op.PING, {}, timeout_seconds=10)
+        reply = connections.call(peer.endpoint, Op.LIST, {"run_id": "r"}, timeout_seconds=10)
+        assert reply.op is Op.OK
+    finally:
+        connections.close()
+        peer.close()
+    assert peer.received == [[Op.PING, Op.LIST], [Op.LIST]]
+
+
+def test_a_put_that_meets_a_dead_pooled_connection_is_not_resent() -> None:
+    peer = ScriptedPeer([["ok", "drop"], ["ok"]])
+    connections = Connections()
+    meta, body = b"{}", bytes(range(16))
+    try:
+        connections.call(peer.endpoint, Op.PING, {}, timeout_seconds=10)
+        with pytest.raises(ProtocolError, match="closed the connection without replying to PUT"):
+            connections.call(peer.endpoint, Op.PUT, shard_header(meta=meta), [meta, body],
+                             timeout_seconds=10)
+        connections.call(peer.endpoint, Op.PING, {}, timeout_seconds=10)
+    finally:
+        connections.close()
+        peer.close()
+    assert peer.received == [[Op.PING, Op.PUT], [Op.PING]]
+
+
+def test_connections_are_reused_after_ok_and_after_a_fair_err() -> None:
+    """An ERR the daemon answers in step (not_found) keeps the connection; one it closes the
+    connection after (bad_request) does not."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+    accepted: list[int] = []
+
+    def serve() -> None:  # keeps the first connection open after bad_request
+        for replies in (["ok", "not_found", "ok", "bad_request", "ok"], ["ok"]):
+            conn, _ = listener.accept()
+            accepted.append(1)
+            with conn:
+                for reply in replies:
+                    if read_frame(conn, max_payload=LIMIT) is None:
+                        break
+                    if reply == "ok":
+                        send_frame(conn, Op.OK, {})
+                    else:
+                        send_error(conn, reply, f"{reply} here")
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    connections = Connections()
+    try:
+        connections.call(endpoint, Op.PING, {}, timeout_seconds=10)
+        with pytest.raises(PeerRequestError, match="not_found here"):
+            connections.call(endpoint, Op.GET, {"run_id": "r", "ckpt_id": 1, "shard_index": 0},
+                             timeout_seconds=10)
+        connections.call(endpoint, Op.PING, {}, timeout_seconds=10)
+        with pytest.raises(PeerRequestError, match="bad_request here"):
+            connections.call(endpoint, Op.PING, {}, timeout_seconds=10)
+        assert len(accepted) == 1
+        connections.call(endpoint, Op.PING, {}, timeout_seconds=10)
+        assert len(accepted) == 2
+    finally:
+        connections.close()
+        thread.join(10)
+        listener.close()
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -28,6 +28,8 @@ background writer, the restoring thread); they spread their transfers over an in
 thread pool. A daemon thread renews the lease every ``lease_seconds / 3`` until
 :meth:`PeerTier.close`; a placement thread probes the peers every ``probe_interval``; with a
 registry, a thread rereads it every ``probe_interval`` and one more writes the down marks.
+Every request, probes included, goes over the tier's persistent connections
+(``protocol.Connections``): one handshake per peer and concurrent request, not per request.
 """
 
 from __future__ import annotations
@@ -50,13 +52,13 @@ from ckptpilot.tiers.peer.errors import (
     ProtocolError,
 )
 from ckptpilot.tiers.peer.parity import as_bytes, join, rebuild, shard_size, split, xor_of
-from ckptpilot.tiers.peer.placement import Placement, describe_failure
+from ckptpilot.tiers.peer.placement import PeerStatus, Placement, describe_failure
 from ckptpilot.tiers.peer.protocol import (
     MAX_META_BYTES,
     Buffer,
+    Connections,
     Frame,
     Op,
-    call,
     parse_endpoint,
     shard_tensor,
 )
@@ -208,6 +210,7 @@ class PeerTier:
         self._layouts: dict[int, _Layout] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._connections = Connections()
         self.registry_view: RegistryView | None = None
         if registry is not None:
             from ckptpilot.tiers.peer.membership import RegistryView
@@ -217,7 +220,7 @@ class PeerTier:
             is_down = _either(is_down, self.registry_view.is_down)
         self.placement = Placement(self.endpoints, probe_interval=probe_interval,
                                    timeout_seconds=timeout_seconds, is_down=is_down,
-                                   rtt_tie_seconds=rtt_tie_seconds)
+                                   rtt_tie_seconds=rtt_tie_seconds, probe=self._probe)
         if self.registry_view is not None:
             self.registry_view.start()  # before the first placement: it must know who is down
         self.placement.start()
@@ -257,6 +260,7 @@ class PeerTier:
         self._pool.shutdown(wait=True)
         if self.registry_view is not None:
             self.registry_view.close()
+        self._connections.close()
 
     # -------------------------------------------------------------------------------- put
 
@@ -420,8 +424,9 @@ class PeerTier:
         seems gone, to the health registry."""
         start = time.perf_counter()
         try:
-            reply = call(endpoint, op, header, parts, timeout_seconds=self.timeout_seconds,
-                         max_reply_payload=max_reply_payload)
+            reply = self._connections.call(endpoint, op, header, parts,
+                                           timeout_seconds=self.timeout_seconds,
+                                           max_reply_payload=max_reply_payload)
         except PeerRequestError as e:
             ok = e.code in ("no_base", "not_found")  # a sound peer answering a fair no
             self.placement.report(endpoint, ok, time.perf_counter() - start)
@@ -444,7 +449,8 @@ class PeerTier:
 
         def commit(endpoint: str) -> str | None:
             try:
-                call(endpoint, Op.COMMIT, header, timeout_seconds=self.timeout_seconds)
+                self._connections.call(endpoint, Op.COMMIT, header,
+                                       timeout_seconds=self.timeout_seconds)
                 return None
             except _REQUEST_ERRORS as e:
                 return _reason(e)
@@ -458,6 +464,13 @@ class PeerTier:
             raise PeerUnavailable(f"checkpoint {ckpt_id} of run {self.run_id!r} was sent but no "
                                   "holder confirmed its COMMIT: " + "; ".join(
                                       f"@{h}: {results[h]}" for h in holders))
+
+    def _probe(self, endpoint: str, timeout_seconds: float) -> PeerStatus:
+        """Placement's PING, over the pooled connections (the RTT is the request's alone)."""
+        start = time.perf_counter()
+        h = self._connections.call(endpoint, Op.PING, {}, timeout_seconds=timeout_seconds).header
+        return PeerStatus(time.perf_counter() - start, int(h.get("mem_used", 0)),
+                          int(h.get("mem_limit", 0)), int(h.get("n_runs", 0)))
 
     def _base_layout(self, base_id: int, image_len: int, size: int) -> _Layout | None:
         """Where ``base_id``'s shards are, if a delta against it can work: remembered from
@@ -644,7 +657,8 @@ class PeerTier:
             if self._closed.is_set():
                 return
             try:
-                call(endpoint, Op.RENEW, header, timeout_seconds=self.timeout_seconds)
+                self._connections.call(endpoint, Op.RENEW, header,
+                                       timeout_seconds=self.timeout_seconds)
             except _REQUEST_ERRORS as e:
                 log.debug("lease renewal on %s failed: %s", endpoint, _reason(e))
 

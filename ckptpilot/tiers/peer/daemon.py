@@ -17,8 +17,12 @@ Threading: connection threads read, verify and answer requests; a small pool fol
 (``new = decode(delta, base=old)``, then the SHA256 the client announced is checked); a
 reaper thread frees runs whose lease ran out. Shared state lives in :class:`ShardStore`.
 
-A malformed frame (garbage, truncated, oversized) closes that connection only, with one
-logged line; every other client keeps being served.
+A malformed frame (garbage, truncated, oversized, unparseable) gets an ERR reply naming the
+fault and closes that connection only, with one logged line; a request that fails on a bug
+here gets an ERR ``internal_error`` and a logged traceback. Every other client keeps being
+served. Clients keep their connections open across requests (``protocol.Connections``), and
+the listen backlog is the system's maximum, so that bursts of connects from many clients
+queue instead of having their SYNs dropped (a retransmit costs a second or more).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ _LINGER_MAX_BYTES = 1 << 20
 
 class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
+    request_queue_size = socket.SOMAXCONN  # the kernel caps it (net.core.somaxconn)
     daemon_threads = False  # server_close() joins them: in-flight requests finish
     block_on_close = True
 
@@ -102,9 +107,18 @@ class PeerDaemon:
         self._folds = ThreadPoolExecutor(max_workers=fold_threads,
                                          thread_name_prefix="ckptpilot-peer-fold")
         self._stopping = threading.Event()
+        self._accepted = 0
+        self._accepted_lock = threading.Lock()
         self._server = _Server((host, port), self)
         self._reaper = threading.Thread(target=self._reap, name="ckptpilot-peer-reaper",
                                         daemon=True)
+
+    @property
+    def connections_accepted(self) -> int:
+        """How many connections this daemon has accepted: clients that reuse connections
+        add one per endpoint, not one per request."""
+        with self._accepted_lock:
+            return self._accepted
 
     @property
     def address(self) -> tuple[str, int]:
@@ -139,6 +153,8 @@ class PeerDaemon:
         """Answer frames on one connection until the client closes it, the daemon stops,
         or a frame is malformed (then log one line and close)."""
         who = f"{address[0]}:{address[1]}"
+        with self._accepted_lock:
+            self._accepted += 1
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         poller = select.poll()  # unlike select(), no limit on descriptor numbers
         poller.register(sock, select.POLLIN)
@@ -153,10 +169,16 @@ class PeerDaemon:
                 self._dispatch(sock, head)
             except ProtocolError as e:
                 log.warning("closing connection from %s: %s", who, e)
-                _close_after_error(sock, str(e))
+                _close_after_error(sock, "bad_request", str(e))
                 return
             except OSError as e:
                 log.warning("closing connection from %s: %s", who, describe_failure(e))
+                return
+            except Exception as e:  # a bug here: tell the client, keep serving the others
+                log.exception("closing connection from %s after an internal error", who)
+                _close_after_error(sock, "internal_error",
+                                   f"internal error in the peer daemon ({type(e).__name__}: "
+                                   f"{e}); see its log")
                 return
 
     def _dispatch(self, sock: socket.socket, head: Head) -> None:
@@ -361,12 +383,13 @@ def _check_meta(h: dict[str, Any], meta: bytes) -> tuple[str, str] | None:
             "meta_sha256; resend it")
 
 
-def _close_after_error(sock: socket.socket, message: str) -> None:
+def _close_after_error(sock: socket.socket, code: str, message: str) -> None:
     """Best effort: tell the client why, then drain briefly what it is still sending, so the
-    close is a FIN the client can read the reason before, not a reset that loses it."""
+    close is a FIN the client can read the reason before, not a reset that loses it.
+    ``code`` is one of ``protocol.CLOSING_ERRORS``, after which clients drop the connection."""
     try:
         sock.settimeout(_LINGER_SECONDS)
-        send_error(sock, "bad_request", message)
+        send_error(sock, code, message)
         sock.shutdown(socket.SHUT_WR)
         scratch = bytearray(64 * 1024)
         for _ in range(_LINGER_MAX_BYTES // len(scratch)):

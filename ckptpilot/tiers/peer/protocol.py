@@ -1,8 +1,10 @@
 """The peer wire protocol: length-prefixed binary frames over TCP (SPEC §6).
 
-Owns: the frame layout, the op codes, the header fields each op requires, and reading and
-writing frames on a socket, including one-shot request/reply calls. Must not: interpret
-shards, keep state between frames, or know the daemon's or the client's policy.
+Owns: the frame layout, the op codes, the header fields each op requires, reading and
+writing frames on a socket, and request/reply calls: one-shot (:func:`call`) or over
+persistent connections (:class:`Connections`). Must not: interpret shards, carry state from
+one frame to the next (a connection is reused only after its previous reply was read in
+full), or know the daemon's or the client's policy.
 
 A frame is a fixed little-endian prelude, a UTF-8 JSON object header and a binary payload::
 
@@ -20,6 +22,9 @@ header size, payload size against the reader's limit), then the header (JSON, re
 fields, their types and their agreement with the declared payload size), and only then is a
 buffer of exactly the declared size allocated for the payload. Anything wrong raises
 :class:`ProtocolError` naming the problem; the connection cannot be trusted after that.
+Numbers are bounded to 64-bit integers (so that a lease of 10**400 seconds is refused here,
+not where it meets a float), and JSON numbers too long for Python to parse are malformed JSON
+like any other.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from __future__ import annotations
 import enum
 import json
 import re
+import select
 import socket
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +55,8 @@ MAX_META_BYTES = 16 * 2**20
 Buffer = bytes | bytearray | memoryview
 
 _DISCARD_CHUNK = 1 << 20
+_MAX_INT = 2**63 - 1
+_MAX_ERROR_CHARS = 4096
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
 
@@ -100,15 +109,14 @@ class Frame:
 
 # ----------------------------------------------------------------------------- field checks
 
-def _int(lo: int, hi: int | None = None) -> Callable[[object], bool]:
+def _int(lo: int, hi: int = _MAX_INT) -> Callable[[object], bool]:
     def check(v: object) -> bool:
-        return (isinstance(v, int) and not isinstance(v, bool) and v >= lo
-                and (hi is None or v <= hi))
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
     return check
 
 
 def _positive_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf")
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= _MAX_INT
 
 
 def _run_id(v: object) -> bool:
@@ -166,13 +174,15 @@ def validate_header(op: Op, header: object, payload_len: int) -> dict[str, Any]:
         if name not in header:
             raise ProtocolError(f"{op.name} header is missing field {name!r}")
         if not check(header[name]):
-            raise ProtocolError(f"{op.name} header field {name!r} is invalid: {header[name]!r}")
+            raise ProtocolError(f"{op.name} header field {name!r} is invalid: "
+                                f"{header[name]!r:.200}")
     if op in (Op.PUT, Op.DELTA):
         _check_shard_header(op, header, payload_len)
     elif op is Op.OK and "meta_len" in header and not (
         _int(0, MAX_META_BYTES)(header["meta_len"]) and header["meta_len"] <= payload_len
     ):
-        raise ProtocolError(f"OK header field 'meta_len' is invalid: {header['meta_len']!r}")
+        raise ProtocolError(f"OK header field 'meta_len' is invalid: "
+                            f"{header['meta_len']!r:.200}")
     return header
 
 
@@ -255,7 +265,7 @@ def read_head(sock: socket.socket, *, max_payload: int) -> Head | None:
     recv_exactly(sock, memoryview(raw), "header")
     try:
         header = json.loads(raw.decode("utf-8")) if header_len else {}
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a number too long
         raise ProtocolError(f"{op.name} header is not valid UTF-8 JSON: {e}") from None
     return Head(op, validate_header(op, header, payload_len), payload_len)
 
@@ -311,6 +321,9 @@ def send_frame(
 
 
 def send_error(sock: socket.socket, code: str, message: str) -> None:
+    """Reply ERR; a message too long for a header (it may quote a hostile frame) is cut."""
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[:_MAX_ERROR_CHARS] + "... (cut)"
     send_frame(sock, Op.ERR, {"error": message, "code": code})
 
 
@@ -323,6 +336,15 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise ValueError(f"expected a peer endpoint 'host:port' with a port in 1..65535, got "
                          f"{endpoint!r}")
     return match.group(1).strip("[]"), int(match.group(2))
+
+
+RESENDABLE = frozenset({Op.PING, Op.LIST, Op.GET, Op.COMMIT, Op.RENEW, Op.DROP})
+"""Requests a daemon may receive twice with the effect of once: after a pooled connection
+turns out dead under one of them, :class:`Connections` sends it again on a fresh one. Not
+PUT or DELTA (the client places those elsewhere on failure) nor CORRUPT (twice is undone)."""
+
+CLOSING_ERRORS = frozenset({"bad_request", "internal_error"})
+"""ERR codes after which the daemon closes the connection (the stream is out of step)."""
 
 
 def call(
@@ -340,11 +362,130 @@ def call(
     malformed reply, and ``OSError`` (``ConnectionRefusedError``, ``TimeoutError``...) when
     the peer cannot be reached or stalls longer than ``timeout_seconds`` on any step.
     """
-    host, port = parse_endpoint(endpoint)
-    with socket.create_connection((host, port), timeout=timeout_seconds) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_frame(sock, op, header, parts)
-        reply = read_frame(sock, max_payload=max_reply_payload)
+    with _connect(endpoint, timeout_seconds) as sock:
+        reply = _exchange(sock, op, header, parts, max_reply_payload)
+    return _checked(endpoint, op, reply)
+
+
+class Connections:
+    """Persistent connections to peer daemons, kept per endpoint and reused by requests.
+
+    Why: a connection per request costs a handshake, and with many clients the connects
+    queue in the daemons' accept backlogs, where a dropped SYN costs a retransmit of a
+    second or more (enough to mark a healthy peer slow).
+
+    Lifecycle: construct, :meth:`call` any number of times, :meth:`close` (idempotent; a
+    call after it still works, on a connection that is closed when it returns).
+
+    Threading: :meth:`call` may run on any number of threads at once. A connection serves
+    one request at a time: a call takes an idle connection to the endpoint (or opens one)
+    and gives it back once the whole reply is read, so concurrent calls to one endpoint use
+    several; at most ``max_idle_per_endpoint`` are kept idle. A connection that failed in any
+    way is closed, never reused. An idle connection the daemon closed (it restarted or shut
+    down) is noticed before it is used; one that dies while the request is on its way fails
+    the request, which is then sent once more on a fresh connection if it is
+    :data:`RESENDABLE`.
+    """
+
+    def __init__(self, *, max_idle_per_endpoint: int = 4) -> None:
+        if max_idle_per_endpoint < 1:
+            raise ValueError(f"max_idle_per_endpoint must be >= 1, got {max_idle_per_endpoint}")
+        self.max_idle_per_endpoint = max_idle_per_endpoint
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(
+        self,
+        endpoint: str,
+        op: Op,
+        header: dict[str, Any],
+        parts: Sequence[Buffer] = (),
+        *,
+        timeout_seconds: float,
+        max_reply_payload: int = 0,
+    ) -> Frame:
+        """:func:`call` on a pooled connection (same arguments, results and errors)."""
+        sock, reused = self._take(endpoint, timeout_seconds)
+        while True:
+            resend = reused and op in RESENDABLE
+            try:
+                reply = _exchange(sock, op, header, parts, max_reply_payload)
+            except ConnectionError:  # reset or broken pipe: the daemon dropped the connection
+                if not resend:
+                    sock.close()
+                    raise
+                reply = None
+            except BaseException:
+                sock.close()
+                raise
+            if reply is not None or not resend:
+                break
+            sock.close()  # a reused connection died under the request: once more, afresh
+            sock, reused = _connect(endpoint, timeout_seconds), False
+        if reply is not None and (reply.op is Op.OK or (
+                reply.op is Op.ERR and reply.header["code"] not in CLOSING_ERRORS)):
+            self._give_back(endpoint, sock)
+        else:
+            sock.close()
+        return _checked(endpoint, op, reply)
+
+    def close(self) -> None:
+        """Close the idle connections; connections in use close when their call returns."""
+        with self._lock:
+            self._closed = True
+            idle = [sock for socks in self._idle.values() for sock in socks]
+            self._idle.clear()
+        for sock in idle:
+            sock.close()
+
+    def _take(self, endpoint: str, timeout_seconds: float) -> tuple[socket.socket, bool]:
+        """An idle connection to ``endpoint`` that is still open (True), or a new one."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(endpoint)
+                sock = idle.pop() if idle else None
+            if sock is None:
+                return _connect(endpoint, timeout_seconds), False
+            if _still_open(sock):
+                sock.settimeout(timeout_seconds)
+                return sock, True
+            sock.close()
+
+    def _give_back(self, endpoint: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            if not self._closed and len(idle) < self.max_idle_per_endpoint:
+                idle.append(sock)
+                return
+        sock.close()
+
+
+def _connect(endpoint: str, timeout_seconds: float) -> socket.socket:
+    sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout_seconds)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """Whether an idle connection can carry a request: the daemon sends nothing unasked, so
+    anything to read on it (its close, a reset) means it is dead."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
+
+
+def _exchange(
+    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer],
+    max_reply_payload: int,
+) -> Frame | None:
+    """Send one request and read its reply; None if the peer closed without replying."""
+    send_frame(sock, op, header, parts)
+    return read_frame(sock, max_payload=max_reply_payload)
+
+
+def _checked(endpoint: str, op: Op, reply: Frame | None) -> Frame:
+    """The OK reply, or the error the reply (or its absence) stands for."""
     if reply is None:
         raise ProtocolError(f"{endpoint} closed the connection without replying to {op.name}")
     if reply.op is Op.ERR:
