@@ -69,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     from ckptpilot.tiers.peer.daemon import add_peer_parser
 
     add_peer_parser(sub)
+    fit = sub.add_parser("fit", help="fault-injection suite: kill, corrupt and restore a small "
+                         "job under your policy; exit 0 only when every scenario passes")
+    fit.add_argument("--config", type=Path, default=None,
+                     help="policy YAML to test (default: the reference policy)")
+    fit.add_argument("--scenario", action="append", default=None, metavar="NAME",
+                     help="run only this scenario (repeatable; --list shows them)")
+    fit.add_argument("--json", action="store_true", help="print the JSON document, not the table")
+    fit.add_argument("--work-dir", type=Path, default=None,
+                     help="where the scenarios run (default: a new temporary directory)")
+    fit.add_argument("--with-peers", action="store_true",
+                     help="run the peer scenarios on local daemons even without a peer tier")
+    fit.add_argument("--keep", action="store_true",
+                     help="keep every scenario's directory (default: only failed ones)")
+    fit.add_argument("--list", action="store_true", help="list the scenarios and exit")
     return parser
 
 
@@ -96,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             return run_peer_command(args)
         if args.command == "demo":
             return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
+        if args.command == "fit":
+            from ckptpilot.fit import list_scenarios, run_fit
+
+            if args.list:
+                return list_scenarios(sys.stdout)
+            return run_fit(config=args.config, scenarios=args.scenario, work_dir=args.work_dir,
+                           with_peers=args.with_peers, as_json=args.json, keep=args.keep)
         policy = load_policy(args.config, run_dir=args.run_dir)
         out = sys.stdout
         if args.command == "ls":

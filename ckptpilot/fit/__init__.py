@@ -1,0 +1,160 @@
+"""``ckptpilot fit``: the fault-injection suite, run against the user's own policy and storage
+before a long job is trusted with them (SPEC §9).
+
+Every scenario trains a small real model in child processes, injects its fault, restarts
+and checks that the recovery is the right one and that the continuation is bit-exact with
+one uninterrupted reference run (shared by the scenarios of a job kind). ``run_fit`` runs
+the chosen scenarios in order, prints a progress line as each finishes, then the table (or,
+with ``--json``, the JSON document), and always writes ``fit.json`` and TensorBoard text and
+scalars to the work directory. Exit code: 0 when every scenario that ran passed, 1 when one
+failed, 2 on bad input (raised as ``FitError`` or the policy's ``PolicyError``).
+
+The scenarios live in ``scenarios.py`` (one registry, ``SCENARIOS``), the child job in
+``job.py``, the processes and comparisons in ``harness.py``, the output in ``report.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from ckptpilot.errors import CkptPilotError
+
+__all__ = ["FitError", "list_scenarios", "run_fit"]
+
+WORK_DIR_MARKER = ".ckptpilot-fit"
+
+
+class FitError(CkptPilotError, ValueError):
+    """Bad ``ckptpilot fit`` input: an unknown scenario, a work directory fit cannot use."""
+
+
+def list_scenarios(out: TextIO) -> int:
+    """Print every scenario: name, what it needs, the fault and what passing means."""
+    from ckptpilot.fit.scenarios import SCENARIOS
+
+    width = max(len(s.name) for s in SCENARIOS)
+    for s in SCENARIOS:
+        out.write(f"{s.name:<{width}}  [{s.needs.value}] {s.fault}: {s.passes}\n")
+    return 0
+
+
+def _select(names: Sequence[str] | None) -> list[str]:
+    from ckptpilot.fit.scenarios import BY_NAME, SCENARIOS
+
+    if not names:
+        return [s.name for s in SCENARIOS]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise FitError(f"unknown scenario {', '.join(map(repr, unknown))}; valid scenarios: "
+                       f"{', '.join(BY_NAME)}")
+    return list(dict.fromkeys(names))
+
+
+def _prepare_work_dir(work_dir: Path | None) -> Path:
+    if work_dir is None:
+        path = Path(tempfile.mkdtemp(prefix="ckptpilot-fit-"))
+    else:
+        path = work_dir.resolve()
+        if path.exists() and any(path.iterdir()) and not (path / WORK_DIR_MARKER).exists():
+            raise FitError(f"--work-dir {work_dir} is not empty and was not made by "
+                           "`ckptpilot fit`; choose another directory")
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    (path / WORK_DIR_MARKER).write_text("made by `ckptpilot fit`; emptied by its next run\n")
+    return path
+
+
+def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
+            work_dir: Path | None = None, with_peers: bool = False, as_json: bool = False,
+            keep: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the scenarios (all when ``scenarios`` is empty) against the policy ``config``
+    (the reference policy when None); returns the exit code.
+
+    ``work_dir``: where the scenarios' run directories go (default: a new temporary
+    directory); a directory made by an earlier fit run is emptied first. A scenario that
+    did not pass keeps its directory (named in the output); ``keep`` keeps every one.
+    ``with_peers``: run the peer scenarios on local daemons although the policy has no peer
+    tier (otherwise they are skipped).
+    """
+    from ckptpilot.fit.harness import Harness
+    from ckptpilot.fit.report import (
+        Outcome,
+        Result,
+        exit_code,
+        progress_line,
+        render_table,
+        to_document,
+        write_outputs,
+    )
+    from ckptpilot.fit.scenarios import (
+        BY_NAME,
+        Needs,
+        Observation,
+        ScenarioFailed,
+        ScenarioSkipped,
+    )
+    from ckptpilot.policy import load_policy
+
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    names = _select(scenarios)
+    policy = load_policy(config)
+    work = _prepare_work_dir(work_dir)
+    harness = Harness(work, policy, fit_id=uuid.uuid4().hex[:8])
+    err.write(f"ckptpilot fit: {len(names)} scenarios, policy {config or '(reference)'}, "
+              f"work dir {work}\n")
+    err.flush()
+    t0 = time.monotonic()
+    outcomes: list[Outcome] = []
+    try:
+        for index, name in enumerate(names, 1):
+            scenario = BY_NAME[name]
+            obs = Observation()
+            started = time.monotonic()
+            result, detail = Result.PASSED, ""
+            if (scenario.needs is Needs.PEERS and not policy.tiers.peer.enabled
+                    and not with_peers):
+                result, detail = Result.SKIPPED, "no peer tier in the policy (--with-peers " \
+                                                 "runs it on local daemons)"
+            else:
+                try:
+                    detail = scenario.check(harness, name, obs)
+                except ScenarioSkipped as e:
+                    result, detail = Result.SKIPPED, str(e)
+                except ScenarioFailed as e:
+                    result, detail = Result.FAILED, str(e)
+                except Exception as e:  # one broken scenario must not end the whole run
+                    result, detail = Result.FAILED, f"fit could not run it: " \
+                                                    f"{type(e).__name__}: {e}"
+            kept = harness.release(name, keep=keep or result is Result.FAILED)
+            outcome = Outcome(
+                scenario=name, fault=scenario.fault, result=result, detail=detail,
+                seconds=time.monotonic() - started, recovered_step=obs.recovered_step,
+                source=obs.source, steps_lost=obs.steps_lost, bit_exact=obs.bit_exact,
+                restore_seconds=obs.restore_seconds,
+                run_dir=None if kept is None else str(kept))
+            outcomes.append(outcome)
+            err.write(progress_line(index, len(names), outcome) + "\n")
+            err.flush()
+    finally:
+        harness.close(keep=keep)
+    wall = time.monotonic() - t0
+    document = to_document(outcomes, config=None if config is None else os.fspath(config),
+                           work_dir=work, wall_seconds=wall)
+    write_outputs(work, document, outcomes)
+    if as_json:
+        import json
+
+        out.write(json.dumps(document, indent=1) + "\n")
+    else:
+        out.write(render_table(outcomes, wall_seconds=wall, work_dir=work) + "\n")
+    return exit_code(outcomes)

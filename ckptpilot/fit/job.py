@@ -1,0 +1,467 @@
+"""The training child of ``ckptpilot fit``: ``python -m ckptpilot.fit.job``.
+
+A small real model (BatchNorm, dropout, AdamW, a cosine schedule, shuffled data through
+``ResumableSampler``, python/numpy/torch randomness) trained with a ``CheckpointPilot`` under
+the policy fit wrote for the scenario; with ``--dist`` one rank of a torchrun (gloo) job whose
+ranks train one DDP model on their own halves of the data. It restores first, so a second
+start resumes. One thread (``torch.set_num_threads(1)``) in every run: a reduction split over
+another thread count may round differently, and the runs of a scenario are compared bit for
+bit with an uninterrupted reference.
+
+What the parent reads back, all under ``--out`` (one file per rank):
+
+- ``events_rank{r}.jsonl``: what happened, one JSON object a line — ``restored`` (or
+  ``refused``: restore raised), ``fault`` (just before the job kills itself, with the saves
+  completed so far), ``error`` (a ckptpilot error stopped training), ``paused``, ``done``;
+- ``losses_rank{r}.txt``: ``<step> <loss as float hex>`` for every step this run trained;
+- ``final_rank{r}.safetensors`` and ``.json`` after the last step: model, optimizer,
+  schedule, data cursor and every RNG state.
+
+Faults are injected by this process into itself (``--fault``): it wraps the library function
+of the phase where the pilot looks it up, and SIGKILLs itself there or fails like a full disk
+or an unreachable store. Production code carries no hook for it. A fault fires at the first
+save of step ``--at-step`` or later; a point that no longer exists under its name makes the
+job exit with an error rather than run without the fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import functools
+import inspect
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ckptpilot import CheckpointPilot, CkptPilotError, ResumableSampler, load_policy
+from ckptpilot import state as state_module
+from ckptpilot.scheduler.health import FROM_POLICY, DeviceReading, GpuHealthProvider, GpuReading
+from ckptpilot.storage.archive import (
+    CONTAINER_FILE,
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    checkpoint_name,
+    parse_checkpoint_name,
+)
+from ckptpilot.tiers.peer import PeerTier
+from ckptpilot.tiers.remote import STAGING_MARK, HashingWriter, RemoteTier
+from ckptpilot.validation.postwrite import PostWriteValidator
+
+FAULTS = ("kill-capture", "kill-write", "kill-validate", "kill-publish", "kill-between",
+          "kill-write-after-rank0", "enospc", "remote-down", "nvml-burst")
+EXIT_ERROR = 3  # a ckptpilot error (restore refused, a save failed): reported in the events
+ENOSPC_AFTER_BYTES = 4096
+RANK0_PUBLISH_WAIT_SECONDS = 60.0
+BURST_WAIT_SECONDS = 60.0
+GO_WAIT_SECONDS = 120.0
+SAMPLES = 512
+BATCH = 32
+
+
+class Events:
+    """Appends JSON lines for the parent; each line is flushed as written, so it survives the
+    SIGKILL that follows it."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the job
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            self._file.write(json.dumps({"event": event, **fields}) + "\n")
+            self._file.flush()
+
+
+class Job:
+    """What the fault wrappers need: the pilot (for the saves completed so far) and the
+    events file."""
+
+    def __init__(self, events: Events, rank: int) -> None:
+        self.events = events
+        self.rank = rank
+        self.pilot: CheckpointPilot | None = None
+
+    def saves(self) -> list[dict[str, Any]]:
+        records = list(self.pilot.saves) if self.pilot is not None else []
+        return [{"step": r.step, "level": r.level, "status": r.status, "tier": r.tier,
+                 "location": r.location, "persist_seconds": r.persist_seconds}
+                for r in records]
+
+    def die(self, phase: str, step: int, **fields: Any) -> None:
+        """Report the fault and the saves completed before it, then SIGKILL this process."""
+        self.events.emit("fault", phase=phase, step=step, saves=self.saves(), **fields)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_of(relpath: str) -> int | None:
+    """The step of the checkpoint a remote path belongs to (staging or published)."""
+    parsed = parse_checkpoint_name(relpath.split("/", 1)[0].split(STAGING_MARK, 1)[0])
+    return None if parsed is None else parsed[0]
+
+
+def _replace_function(original: Callable[..., Any], replacement: Callable[..., Any]) -> None:
+    """Put ``replacement`` wherever a ckptpilot module holds ``original`` (the pilot imports
+    functions by name, so patching their home module alone would not reach it)."""
+    replaced = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "ckptpilot" or name.startswith("ckptpilot.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
+                replaced += 1
+    if replaced == 0:
+        raise RuntimeError(f"fault point {original.__qualname__} is not used by ckptpilot")
+
+
+def _wrap_remote_writes(on_open: Callable[[RemoteTier, str, HashingWriter], None]) -> None:
+    """Call ``on_open(tier, relpath, writer)`` for every file the remote tier opens for
+    writing (``write_file`` goes through ``open_write`` too)."""
+    original = RemoteTier.open_write
+
+    @contextlib.contextmanager
+    def open_write(self: RemoteTier, relpath: str) -> Iterator[HashingWriter]:
+        with original(self, relpath) as out:
+            on_open(self, relpath, out)
+            yield out
+
+    RemoteTier.open_write = open_write  # type: ignore[method-assign]
+
+
+def _kill_in_capture(job: Job, at_step: int) -> None:
+    original = state_module.capture
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        snapshot = original(*args, **kwargs)
+        step = int(signature.bind(*args, **kwargs).arguments["step"])
+        if step >= at_step:
+            job.die("capture", step, tier="memory")
+        return snapshot
+
+    _replace_function(original, capture)
+
+
+def _kill_in_write(job: Job, at_step: int, *, after_rank0: bool = False) -> None:
+    """Die after the first chunk of a checkpoint's tensors file (remote), or as a put to
+    the peers begins. ``after_rank0``: first wait until rank 0 published the same step, so
+    that the ranks' newest checkpoints differ when this rank dies."""
+
+    def on_open(tier: RemoteTier, relpath: str, out: HashingWriter) -> None:
+        step = _step_of(relpath)
+        if step is None or step < at_step or relpath.rsplit("/", 1)[-1] not in (
+                TENSORS_FILE, CONTAINER_FILE):
+            return
+        published = None
+        if after_rank0:
+            published = _wait_for(lambda: tier.exists(
+                f"{checkpoint_name(step, 0)}/{MANIFEST_FILE}"), RANK0_PUBLISH_WAIT_SECONDS)
+        write = out.write
+
+        def dying(data: bytes | memoryview) -> int:
+            write(data)
+            job.die("write", step, tier="remote", rank0_published=published)
+            return 0
+
+        out.write = dying  # type: ignore[method-assign]
+
+    _wrap_remote_writes(on_open)
+    original_put = PeerTier.put
+
+    @functools.wraps(original_put)
+    def put(self: PeerTier, ckpt_id: int, *args: Any, **kwargs: Any) -> Any:
+        if ckpt_id >= at_step:
+            job.die("write", ckpt_id, tier="peer")
+        return original_put(self, ckpt_id, *args, **kwargs)
+
+    PeerTier.put = put  # type: ignore[method-assign]
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _kill_in_validate(job: Job, at_step: int) -> None:
+    original = PostWriteValidator.validate
+
+    @functools.wraps(original)
+    def validate(self: PostWriteValidator, tier: RemoteTier, name: str, manifest: Any,
+                 *args: Any, **kwargs: Any) -> Any:
+        step = int(manifest["step"])
+        if step >= at_step:
+            job.die("validate", step, tier="remote")
+        return original(self, tier, name, manifest, *args, **kwargs)
+
+    PostWriteValidator.validate = validate  # type: ignore[method-assign]
+
+
+def _kill_in_publish(job: Job, at_step: int) -> None:
+    """Die right after the atomic rename, before the pilot marks the row valid."""
+    original = RemoteTier.publish
+
+    @functools.wraps(original)
+    def publish(self: RemoteTier, staging: str, final: str) -> None:
+        original(self, staging, final)
+        step = _step_of(final)
+        if step is not None and step >= at_step:
+            job.die("publish", step, tier="remote")
+
+    RemoteTier.publish = publish  # type: ignore[method-assign]
+
+
+def _enospc(job: Job, at_step: int) -> None:
+    """From the first save of ``at_step`` on, the disk is full: after a few KB more, every
+    write to the remote tier raises ``OSError(ENOSPC)``."""
+    written = 0
+    reported = False
+
+    def on_open(tier: RemoteTier, relpath: str, out: HashingWriter) -> None:
+        step = _step_of(relpath)
+        if step is None or step < at_step:
+            return
+        write = out.write
+
+        def full(data: bytes | memoryview) -> int:
+            nonlocal written, reported
+            if written >= ENOSPC_AFTER_BYTES:
+                if not reported:
+                    reported = True
+                    job.events.emit("fault", phase="enospc", step=step, tier="remote",
+                                    saves=job.saves())
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tier.path(relpath))
+            n = write(data)
+            written += n
+            return n
+
+        out.write = full  # type: ignore[method-assign]
+
+    _wrap_remote_writes(on_open)
+
+
+_REMOTE_IO = ("new_staging", "write_file", "open_write", "publish", "set_aside", "list",
+              "exists", "open_read", "read_bytes", "size", "read_into", "digest", "remove")
+
+
+def _remote_down() -> None:
+    """Every I/O method of the remote tier fails as a store that cannot be reached does."""
+
+    def unreachable(name: str) -> Callable[..., Any]:
+        def method(self: RemoteTier, *args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.EHOSTUNREACH,
+                          f"{os.strerror(errno.EHOSTUNREACH)} (remote tier {self.url} made "
+                          f"unreachable by ckptpilot fit, in {name})")
+        return method
+
+    for name in _REMOTE_IO:
+        if not callable(getattr(RemoteTier, name, None)):
+            raise RuntimeError(f"fault point RemoteTier.{name} does not exist")
+        setattr(RemoteTier, name, unreachable(name))
+
+
+class BurstProvider(GpuHealthProvider):
+    """A GPU that reports nothing until ``arm()``, then a burst: uncorrected ECC errors and
+    three XIDs. ``wait_seen`` returns once the monitor has read the burst and polled again,
+    so its snapshot carries the errors."""
+
+    def __init__(self) -> None:
+        self._armed = threading.Event()
+        self._seen = threading.Event()
+        self._reads_since_armed = 0
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def wait_seen(self, timeout_seconds: float) -> bool:
+        return self._seen.wait(timeout_seconds)
+
+    def read(self) -> GpuReading:
+        if not self._armed.is_set():
+            return GpuReading(devices=(DeviceReading(index=0, ecc_volatile_uncorrected=0),))
+        self._reads_since_armed += 1
+        if self._reads_since_armed >= 2:
+            self._seen.set()
+        xids = (48, 63, 64) if self._reads_since_armed == 1 else ()
+        return GpuReading(devices=(DeviceReading(index=0, ecc_volatile_uncorrected=5,
+                                                 xid_events=xids),))
+
+
+def _shift_clock(offset_seconds: float) -> None:
+    """Make ``time.time`` lie by ``offset_seconds`` (a wall clock that jumped)."""
+    real = time.time
+    time.time = lambda: real() + offset_seconds  # type: ignore[assignment]
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+            torch.nn.Dropout(0.2), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+            torch.nn.Dropout(0.2), torch.nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _final_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 sched: torch.optim.lr_scheduler.LRScheduler, sampler: ResumableSampler
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt/{pid}/{k}"] = v.contiguous()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    return tensors, {
+        "param_groups": sd["param_groups"], "sampler": sampler.state_dict(),
+        "sched": sched.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
+        "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "python_rng": [version, list(py_state), py_gauss],
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ckptpilot.fit.job")
+    p.add_argument("--config", required=True, help="the scenario's policy (run_dir inside)")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dist", action="store_true", help="one rank of a torchrun (gloo) job")
+    p.add_argument("--fault", choices=FAULTS)
+    p.add_argument("--at-step", type=int, default=0)
+    p.add_argument("--fault-rank", type=int, default=None,
+                   help="only this rank injects the fault (default: every rank)")
+    p.add_argument("--clock-offset-seconds", type=float, default=0.0)
+    p.add_argument("--exit-after-restore", action="store_true")
+    p.add_argument("--pause-at-step", type=int, default=None)
+    p.add_argument("--go-file", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def _install(fault: str | None, at_step: int, job: Job) -> None:
+    """Wrap the library function at the fault point (faults in the loop need nothing)."""
+    if fault == "kill-capture":
+        _kill_in_capture(job, at_step)
+    elif fault in ("kill-write", "kill-write-after-rank0"):
+        _kill_in_write(job, at_step, after_rank0=fault == "kill-write-after-rank0")
+    elif fault == "kill-validate":
+        _kill_in_validate(job, at_step)
+    elif fault == "kill-publish":
+        _kill_in_publish(job, at_step)
+    elif fault == "enospc":
+        _enospc(job, at_step)
+    elif fault == "remote-down":
+        _remote_down()
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _parse(argv)
+    torch.set_num_threads(1)
+    rank, world = 0, 1
+    if a.dist:
+        torch.distributed.init_process_group("gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    a.out.mkdir(parents=True, exist_ok=True)
+    job = Job(Events(a.out / f"events_rank{rank:05d}.jsonl"), rank)
+    if a.clock_offset_seconds:
+        _shift_clock(a.clock_offset_seconds)
+    injects = a.fault is not None and a.fault_rank in (None, rank)
+    _install(a.fault if injects else None, a.at_step, job)
+    burst = BurstProvider() if injects and a.fault == "nvml-burst" else None
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, 16, generator=gen)
+    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+    x, y = x[rank::world], y[rank::world]
+    model = Net()
+    trained: torch.nn.Module = model
+    if a.dist:
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
+    sampler = ResumableSampler(len(x), seed=7)
+    pilot = CheckpointPilot(load_policy(a.config), model=model, optimizer=opt,
+                            lr_scheduler=sched, data_state=sampler,
+                            gpu_health=FROM_POLICY if burst is None else burst)
+    job.pilot = pilot
+    try:
+        start = pilot.restore()
+    except CkptPilotError as e:
+        job.events.emit("refused", error=type(e).__name__, message=str(e))
+        os._exit(EXIT_ERROR)
+    rec = pilot.last_recovery
+    assert rec is not None
+    job.events.emit("restored", step=start, source=rec.source.value, level=rec.level,
+                    steps_lost=rec.steps_lost, seconds=rec.seconds, location=rec.location,
+                    skipped=[[s.location, s.reason] for s in rec.skipped])
+    if a.exit_after_restore:
+        pilot.close()
+        job.events.emit("done", step=start)
+        return
+    try:
+        with open(a.out / f"losses_rank{rank:05d}.txt", "a") as losses:
+            for step in range(start + 1, a.steps + 1):
+                trained.train()
+                idx = sampler.take(BATCH // world)
+                noise = torch.from_numpy(np.random.standard_normal((len(idx), 16))
+                                         .astype(np.float32))
+                xb = x[idx] + 0.01 * noise * (1.0 + random.random())
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(trained(xb), y[idx])
+                loss.backward()
+                opt.step()
+                sched.step()
+                losses.write(f"{step} {loss.item().hex()}\n")
+                losses.flush()
+                decision = pilot.observe(loss)
+                if burst is not None and step == a.at_step:
+                    burst.arm()
+                    if not burst.wait_seen(BURST_WAIT_SECONDS):
+                        raise RuntimeError("the health monitor never read the GPU provider")
+                if burst is not None and decision.emergency:
+                    pilot.flush()
+                    job.die("after the emergency organ", step, level=decision.level.value
+                            if decision.level else None)
+                if a.fault == "kill-between" and injects and step == a.at_step:
+                    pilot.flush()  # between saves: nothing in flight when the kill lands
+                    job.die("between saves", step)
+                if step == a.pause_at_step and a.go_file is not None:
+                    job.events.emit("paused", step=step)
+                    if not _wait_for(a.go_file.exists, GO_WAIT_SECONDS):
+                        raise RuntimeError(f"{a.go_file} did not appear")
+        pilot.close()
+    except CkptPilotError as e:
+        job.events.emit("error", error=type(e).__name__, message=str(e), saves=job.saves())
+        os._exit(EXIT_ERROR)
+    tensors, info = _final_state(model, opt, sched, sampler)
+    safetensors.torch.save_file(tensors, a.out / f"final_rank{rank:05d}.safetensors")
+    (a.out / f"final_rank{rank:05d}.json").write_text(json.dumps(info))
+    job.events.emit("done", step=a.steps, saves=job.saves())
+    if a.dist:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
