@@ -102,7 +102,8 @@ def test_the_run_exits_0_and_writes_the_table_to_fit_json_and_tensorboard(
     assert [r["scenario"] for r in document["scenarios"]] == list(SUBSET)
     assert json.loads((work / "fit.json").read_text()) == document
     progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("[")]
-    assert [ln.split()[2] for ln in progress] == list(SUBSET)
+    assert [ln.split("]", 1)[1].split()[:2] for ln in progress] == [
+        [name, "passed"] for name in SUBSET]
     events = EventAccumulator(str(work / "tensorboard"))
     events.Reload()
     scalars = set(events.Tags()["scalars"])
