@@ -18,19 +18,21 @@ This module does no checkpoint I/O. Operations that only read a run (``ckptpilot
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ckptpilot.errors import RunDirBusyError
 
 RUN_ID_FILE = "run_id"
-__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunLease", "lease_path", "read_run_id",
-           "run_identity"]
+__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunLease", "every_lease", "lease_path",
+           "read_run_id", "run_identity"]
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -118,3 +120,18 @@ def _describe_holder(fd: int) -> str:
         return f"pid {int(info['pid'])} on host {info['host']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "another process (its pid is not recorded yet)"
+
+
+@contextlib.contextmanager
+def every_lease(run_dir: Path) -> Iterator[list[RunLease]]:
+    """Hold the lease of every rank that ever ran in ``run_dir`` (one with a lease file), for
+    an operation that must not run beside a live pilot (rebuilding the metadata database).
+    Raises ``RunDirBusyError`` naming the live holder; nothing is held then."""
+    held: list[RunLease] = []
+    try:
+        for path in sorted(run_dir.glob("lease_rank_*.lock")):
+            held.append(RunLease(run_dir, int(path.stem.rsplit("_", 1)[1])))
+        yield held
+    finally:
+        for lease in held:
+            lease.release()

@@ -21,7 +21,7 @@ from ckptpilot.errors import CheckpointFormatError, CkptPilotError
 from ckptpilot.pilot import RECOVER_PIN
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
-from ckptpilot.rundir import read_run_id, run_identity
+from ckptpilot.rundir import every_lease, read_run_id, run_identity
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
 from ckptpilot.storage.metadata import (
     CheckpointRow,
@@ -290,6 +290,13 @@ def validate(policy: Policy, *, rebuild: bool, out: TextIO, dry_run: bool = Fals
     if rebuild and dry_run:
         raise OpError("--rebuild writes a new database; it cannot be combined with --dry-run")
     run = Run(policy)
+    if not rebuild:
+        return _validate(policy, run, rebuild=False, out=out, dry_run=dry_run)
+    with every_lease(run.dir):  # never beside a live pilot that has the database open
+        return _validate(policy, run, rebuild=True, out=out, dry_run=False)
+
+
+def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: bool) -> int:
     if rebuild:
         run.run_id = run_identity(run.dir)
         if os.path.lexists(run.db_path):

@@ -292,3 +292,31 @@ def test_damaged_heartbeat_ring_and_ledger_are_set_aside_and_the_run_resumes(
     aside = sorted(p.name for p in job.run_dir.iterdir() if ".damaged-" in p.name)
     assert [n.split(".damaged-")[0] for n in aside] == [ring.name, ledger.name]
     assert any("heartbeat_rank_00000.ring" in r.message for r in caplog.records)
+
+
+def test_rebuilding_the_database_is_refused_while_a_pilot_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = Job(tmp_path, interval=3)
+    for _ in range(3):
+        job.step()
+    job.pilot.flush()
+    db = (job.run_dir / "metadata.sqlite").read_bytes()
+    assert cli_main(["validate", "--rebuild", "--run-dir", str(job.run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"held by pid {os.getpid()}" in err[0]
+    assert (job.run_dir / "metadata.sqlite").read_bytes() == db
+    job.pilot.close()
+    assert cli_main(["validate", "--rebuild", "--run-dir", str(job.run_dir)]) == 0
+
+
+def test_reading_a_run_creates_no_remote_directory(tmp_path: Path) -> None:
+    """A mistyped or unmounted remote URL must not appear as an empty tier."""
+    job, _ = trained(tmp_path)
+    shutil.rmtree(job.run_dir / "checkpoints")
+    assert cli_main(["ls", "--run-dir", str(job.run_dir)]) == 0
+    assert cli_main(["validate", "--dry-run", "--run-dir", str(job.run_dir)]) == 0
+    again = Job(tmp_path, interval=3)
+    with pytest.raises(NoCheckpointError):
+        again.pilot.restore()
+    again.pilot.close()
+    assert not (job.run_dir / "checkpoints").exists()

@@ -36,8 +36,10 @@ class RemoteTier:
     def __init__(self, url: str) -> None:
         self.url = str(url)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        # The root is created by the first save (``new_staging``), not here: reading a run
+        # (``ls``, a restore, a dry run) must change nothing, and a mistyped URL must not
+        # appear as an empty tier.
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.fs.makedirs(self.root, exist_ok=True)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
