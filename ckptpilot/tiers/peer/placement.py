@@ -86,7 +86,8 @@ def rank_peers(
 
 
 def ping(endpoint: str, timeout_seconds: float) -> PeerStatus:
-    """PING one peer; the round trip includes connecting (the client connects per request)."""
+    """PING one peer over a fresh connection (the round trip includes connecting); the peer
+    tier probes through its pooled connections instead (``Placement(probe=...)``)."""
     start = time.perf_counter()
     reply = call(endpoint, Op.PING, {}, timeout_seconds=timeout_seconds)
     h = reply.header
