@@ -266,9 +266,15 @@ class Trial:
                 for step, value in read_losses(run.out / f"losses_rank{rank:05d}.txt"):
                     seen[step] = seen.get(step, 0) + 1
                     if want.get(step) != value:
-                        return False, (f"rank {rank}: the loss of step {step} in the "
-                                       f"{run.label} run is {float.fromhex(value)!r}, the "
-                                       f"reference's {_float(want.get(step))}")
+                        why = (f"rank {rank}: the loss of step {step} in the {run.label} run "
+                               f"is {float.fromhex(value)!r}, the reference's "
+                               f"{_float(want.get(step))}")
+                        restored = run.event("restored", rank)
+                        if restored is not None and restored["source"] == "none":
+                            why += (" although that run restored nothing: training under the "
+                                    "pilot is not reproducible (did something consume the "
+                                    "job's random state?)")
+                        return False, why
             missing = sorted(set(want) - set(seen))
             if missing:
                 return False, f"rank {rank}: steps {missing[:5]} were never trained"

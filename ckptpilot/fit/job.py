@@ -60,11 +60,13 @@ from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.remote import STAGING_MARK, HashingWriter, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 
-FAULTS = ("kill-capture", "kill-write", "kill-validate", "kill-publish", "kill-between",
-          "kill-write-after-rank0", "enospc", "remote-down", "nvml-burst")
+WRITE_WAITS = {"kill-write": None, "kill-write-after-rank0": "rank0-published",
+               "kill-write-every-rank": "every-rank-writing"}
+FAULTS = ("kill-capture", *WRITE_WAITS, "kill-validate", "kill-publish", "kill-between",
+          "enospc", "remote-down", "nvml-burst")
 EXIT_ERROR = 3  # a ckptpilot error (restore refused, a save failed): reported in the events
 ENOSPC_AFTER_BYTES = 4096
-RANK0_PUBLISH_WAIT_SECONDS = 60.0
+OTHER_RANKS_WAIT_SECONDS = 60.0
 BURST_WAIT_SECONDS = 60.0
 GO_WAIT_SECONDS = 120.0
 SAMPLES = 512
@@ -89,9 +91,10 @@ class Job:
     """What the fault wrappers need: the pilot (for the saves completed so far) and the
     events file."""
 
-    def __init__(self, events: Events, rank: int) -> None:
+    def __init__(self, events: Events, rank: int, world_size: int) -> None:
         self.events = events
         self.rank = rank
+        self.world_size = world_size
         self.pilot: CheckpointPilot | None = None
 
     def saves(self) -> list[dict[str, Any]]:
@@ -156,25 +159,32 @@ def _kill_in_capture(job: Job, at_step: int) -> None:
     _replace_function(original, capture)
 
 
-def _kill_in_write(job: Job, at_step: int, *, after_rank0: bool = False) -> None:
+def _kill_in_write(job: Job, at_step: int, *, wait: str | None = None) -> None:
     """Die after the first chunk of a checkpoint's tensors file (remote), or as a put to
-    the peers begins. ``after_rank0``: first wait until rank 0 published the same step, so
-    that the ranks' newest checkpoints differ when this rank dies."""
+    the peers begins. ``wait`` (distributed runs): first wait until rank 0 published the
+    same step (``rank0-published``: the ranks' newest checkpoints then differ when this rank
+    dies), or until every rank has begun writing it (``every-rank-writing``: all die
+    mid-save, none is stopped by torchrun before it got there)."""
+
+    def ready(tier: RemoteTier, step: int) -> bool:
+        if wait == "rank0-published":
+            return tier.exists(f"{checkpoint_name(step, 0)}/{MANIFEST_FILE}")
+        names = tier.list()
+        return all(any(n.startswith(checkpoint_name(step, r) + STAGING_MARK) for n in names)
+                   for r in range(job.world_size))
 
     def on_open(tier: RemoteTier, relpath: str, out: HashingWriter) -> None:
         step = _step_of(relpath)
         if step is None or step < at_step or relpath.rsplit("/", 1)[-1] not in (
                 TENSORS_FILE, CONTAINER_FILE):
             return
-        published = None
-        if after_rank0:
-            published = _wait_for(lambda: tier.exists(
-                f"{checkpoint_name(step, 0)}/{MANIFEST_FILE}"), RANK0_PUBLISH_WAIT_SECONDS)
+        waited = None if wait is None else _wait_for(lambda: ready(tier, step),
+                                                      OTHER_RANKS_WAIT_SECONDS)
         write = out.write
 
         def dying(data: bytes | memoryview) -> int:
             write(data)
-            job.die("write", step, tier="remote", rank0_published=published)
+            job.die("write", step, tier="remote", waited=waited)
             return 0
 
         out.write = dying  # type: ignore[method-assign]
@@ -361,8 +371,8 @@ def _install(fault: str | None, at_step: int, job: Job) -> None:
     """Wrap the library function at the fault point (faults in the loop need nothing)."""
     if fault == "kill-capture":
         _kill_in_capture(job, at_step)
-    elif fault in ("kill-write", "kill-write-after-rank0"):
-        _kill_in_write(job, at_step, after_rank0=fault == "kill-write-after-rank0")
+    elif fault in WRITE_WAITS:
+        _kill_in_write(job, at_step, wait=WRITE_WAITS[fault])
     elif fault == "kill-validate":
         _kill_in_validate(job, at_step)
     elif fault == "kill-publish":
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.distributed.init_process_group("gloo")
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     a.out.mkdir(parents=True, exist_ok=True)
-    job = Job(Events(a.out / f"events_rank{rank:05d}.jsonl"), rank)
+    job = Job(Events(a.out / f"events_rank{rank:05d}.jsonl"), rank, world)
     if a.clock_offset_seconds:
         _shift_clock(a.clock_offset_seconds)
     injects = a.fault is not None and a.fault_rank in (None, rank)
