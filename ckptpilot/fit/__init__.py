@@ -23,9 +23,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ckptpilot.errors import CkptPilotError
+
+if TYPE_CHECKING:
+    from ckptpilot.fit.scenarios import Needs
 
 __all__ = ["FitError", "list_scenarios", "run_fit"]
 
@@ -56,6 +59,19 @@ def _select(names: Sequence[str] | None) -> list[str]:
         raise FitError(f"unknown scenario {', '.join(map(repr, unknown))}; valid scenarios: "
                        f"{', '.join(BY_NAME)}")
     return list(dict.fromkeys(names))
+
+
+def _skip_reason(needs: Needs, peers: bool) -> str | None:
+    from ckptpilot.fit.scenarios import Needs
+
+    if needs is Needs.PEERS and not peers:
+        return "no peer tier in the policy (--with-peers runs it on local daemons)"
+    if needs is Needs.DIST:
+        import torch.distributed
+
+        if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+            return "this torch has no torch.distributed with the gloo backend"
+    return None
 
 
 def _prepare_work_dir(work_dir: Path | None) -> Path:
@@ -95,13 +111,7 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
         to_document,
         write_outputs,
     )
-    from ckptpilot.fit.scenarios import (
-        BY_NAME,
-        Needs,
-        Observation,
-        ScenarioFailed,
-        ScenarioSkipped,
-    )
+    from ckptpilot.fit.scenarios import BY_NAME, Observation, ScenarioFailed, ScenarioSkipped
     from ckptpilot.policy import load_policy
 
     out = sys.stdout if out is None else out
@@ -109,10 +119,13 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
     names = _select(scenarios)
     policy = load_policy(config)
     work = _prepare_work_dir(work_dir)
-    harness = Harness(work, policy, fit_id=uuid.uuid4().hex[:8])
-    err.write(f"ckptpilot fit: {len(names)} scenarios, policy {config or '(reference)'}, "
-              f"work dir {work}\n")
-    err.flush()
+    def progress(line: str) -> None:
+        err.write(line + "\n")
+        err.flush()
+
+    harness = Harness(work, policy, fit_id=uuid.uuid4().hex[:8], progress=progress)
+    progress(f"ckptpilot fit: {len(names)} scenarios, policy {config or '(reference)'}, "
+             f"work dir {work}")
     t0 = time.monotonic()
     outcomes: list[Outcome] = []
     try:
@@ -121,10 +134,9 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
             obs = Observation()
             started = time.monotonic()
             result, detail = Result.PASSED, ""
-            if (scenario.needs is Needs.PEERS and not policy.tiers.peer.enabled
-                    and not with_peers):
-                result, detail = Result.SKIPPED, "no peer tier in the policy (--with-peers " \
-                                                 "runs it on local daemons)"
+            skip = _skip_reason(scenario.needs, policy.tiers.peer.enabled or with_peers)
+            if skip is not None:
+                result, detail = Result.SKIPPED, skip
             else:
                 try:
                     detail = scenario.check(harness, name, obs)
@@ -143,8 +155,7 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
                 restore_seconds=obs.restore_seconds,
                 run_dir=None if kept is None else str(kept))
             outcomes.append(outcome)
-            err.write(progress_line(index, len(names), outcome) + "\n")
-            err.flush()
+            progress(progress_line(index, len(names), outcome))
     finally:
         harness.close(keep=keep)
     wall = time.monotonic() - t0

@@ -311,8 +311,10 @@ class Harness:
     """Shared state of one fit run: the work directory, the user's policy, the reference
     runs (made on first use, one per job kind) and the peer daemons (started on first use)."""
 
-    def __init__(self, work_dir: Path, policy: Policy, *, fit_id: str) -> None:
+    def __init__(self, work_dir: Path, policy: Policy, *, fit_id: str,
+                 progress: Callable[[str], None]) -> None:
         self.work_dir = work_dir
+        self._progress = progress
         self.policy = policy
         self.fit_id = fit_id
         self._template = yaml.safe_load(policy.to_yaml())
@@ -397,8 +399,13 @@ class Harness:
         """The uninterrupted run of this kind of job, made on first use."""
         found = self._references.get(dist)
         if found is None:
+            t0 = time.monotonic()
             found = self._make_reference(dist)
             self._references[dist] = found
+            what = f"{WORLD_SIZE} ranks under torchrun" if dist else "one process"
+            self._progress(f"reference: {STEPS} steps, {what}, uninterrupted: "
+                           f"{'failed' if isinstance(found, HarnessError) else 'done'} in "
+                           f"{time.monotonic() - t0:.1f} s")
         if isinstance(found, HarnessError):
             raise found
         return found
