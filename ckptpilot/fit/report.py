@@ -76,10 +76,17 @@ def _cells(outcomes: Sequence[Outcome]) -> list[list[str]]:
     return rows
 
 
+PROGRESS_DETAIL_CHARS = 160
+
+
 def progress_line(index: int, total: int, outcome: Outcome) -> str:
+    """One line as a scenario finishes; a long detail is cut (the JSON holds it whole)."""
     width = len(str(total))
-    return (f"[{index:>{width}}/{total}] {outcome.scenario:<22} {outcome.result.value:<7} "
-            f"{outcome.seconds:6.1f} s  {outcome.detail}")
+    detail = outcome.detail
+    if len(detail) > PROGRESS_DETAIL_CHARS:
+        detail = detail[:PROGRESS_DETAIL_CHARS - 1] + "…"
+    return (f"[{index:>{width}}/{total}] {outcome.scenario:<18} {outcome.result.value:<7} "
+            f"{outcome.seconds:5.1f} s  {detail}")
 
 
 def render_table(outcomes: Sequence[Outcome], *, wall_seconds: float, work_dir: Path) -> str:

@@ -233,36 +233,37 @@ def _killed_between(h: Harness, name: str) -> tuple[Trial, dict[str, Any]]:
 
 # -- damaged storage -----------------------------------------------------------------------
 
-def _tensors_file(trial: Trial, step: int) -> str:
+def _tensors_file(trial: Trial, step: int) -> tuple[str, str]:
+    """The path of a checkpoint's tensors file, and how to name it in a message."""
     tier = trial.remote()
     name = checkpoint_name(step, 0)
     for fname in (TENSORS_FILE, CONTAINER_FILE):
         if tier.exists(f"{name}/{fname}"):
-            return tier.path(name, fname)
+            return tier.path(name, fname), f"{name}/{fname}"
     raise ScenarioFailed(f"{tier.path(name)} holds no tensors file")
 
 
 def _truncate(trial: Trial, step: int) -> str:
-    path = _tensors_file(trial, step)
+    path, shown = _tensors_file(trial, step)
     fs = trial.remote().fs
     data = fs.cat_file(path)
     fs.pipe_file(path, data[: len(data) // 2])
-    return f"{path} cut to {len(data) // 2} of {len(data)} bytes"
+    return f"{shown} cut to {len(data) // 2} of {len(data)} bytes"
 
 
 def _zero(trial: Trial, step: int) -> str:
-    path = _tensors_file(trial, step)
+    path, shown = _tensors_file(trial, step)
     trial.remote().fs.pipe_file(path, b"")
-    return f"{path} emptied"
+    return f"{shown} emptied"
 
 
 def _flip(trial: Trial, step: int) -> str:
-    path = _tensors_file(trial, step)
+    path, shown = _tensors_file(trial, step)
     fs = trial.remote().fs
     data = bytearray(fs.cat_file(path))
     data[len(data) // 2] ^= 0x10
     fs.pipe_file(path, bytes(data))
-    return f"one bit flipped in {path}"
+    return f"one bit flipped in {shown}"
 
 
 def _damaged_newest(damage: Callable[[Trial, int], str]) -> Check:
