@@ -15,6 +15,7 @@ The scenarios live in ``scenarios.py`` (one registry, ``SCENARIOS``), the child 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, TextIO
 from ckptpilot.errors import CkptPilotError
 
 if TYPE_CHECKING:
+    from ckptpilot.fit.harness import Harness
+    from ckptpilot.fit.report import Outcome
     from ckptpilot.fit.scenarios import Needs
 
 __all__ = ["FitError", "list_scenarios", "run_fit"]
@@ -103,59 +106,34 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
     """
     from ckptpilot.fit.harness import Harness
     from ckptpilot.fit.report import (
-        Outcome,
-        Result,
         exit_code,
         progress_line,
         render_table,
         to_document,
         write_outputs,
     )
-    from ckptpilot.fit.scenarios import BY_NAME, Observation, ScenarioFailed, ScenarioSkipped
     from ckptpilot.policy import load_policy
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    names = _select(scenarios)
-    policy = load_policy(config)
-    work = _prepare_work_dir(work_dir)
+
     def progress(line: str) -> None:
         err.write(line + "\n")
         err.flush()
 
+    names = _select(scenarios)
+    policy = load_policy(config)
+    work = _prepare_work_dir(work_dir)
     harness = Harness(work, policy, fit_id=uuid.uuid4().hex[:8], progress=progress)
     progress(f"ckptpilot fit: {len(names)} scenarios, policy {config or '(reference)'}, "
              f"work dir {work}")
     t0 = time.monotonic()
-    outcomes: list[Outcome] = []
+    outcomes = []
     try:
         for index, name in enumerate(names, 1):
-            scenario = BY_NAME[name]
-            obs = Observation()
-            started = time.monotonic()
-            result, detail = Result.PASSED, ""
-            skip = _skip_reason(scenario.needs, policy.tiers.peer.enabled or with_peers)
-            if skip is not None:
-                result, detail = Result.SKIPPED, skip
-            else:
-                try:
-                    detail = scenario.check(harness, name, obs)
-                except ScenarioSkipped as e:
-                    result, detail = Result.SKIPPED, str(e)
-                except ScenarioFailed as e:
-                    result, detail = Result.FAILED, str(e)
-                except Exception as e:  # one broken scenario must not end the whole run
-                    result, detail = Result.FAILED, f"fit could not run it: " \
-                                                    f"{type(e).__name__}: {e}"
-            kept = harness.release(name, keep=keep or result is Result.FAILED)
-            outcome = Outcome(
-                scenario=name, fault=scenario.fault, result=result, detail=detail,
-                seconds=time.monotonic() - started, recovered_step=obs.recovered_step,
-                source=obs.source, steps_lost=obs.steps_lost, bit_exact=obs.bit_exact,
-                restore_seconds=obs.restore_seconds,
-                run_dir=None if kept is None else str(kept))
-            outcomes.append(outcome)
-            progress(progress_line(index, len(names), outcome))
+            outcomes.append(_run_scenario(harness, name, peers=policy.tiers.peer.enabled
+                                          or with_peers, keep=keep))
+            progress(progress_line(index, len(names), outcomes[-1]))
     finally:
         harness.close(keep=keep)
     wall = time.monotonic() - t0
@@ -163,9 +141,36 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
                            work_dir=work, wall_seconds=wall)
     write_outputs(work, document, outcomes)
     if as_json:
-        import json
-
         out.write(json.dumps(document, indent=1) + "\n")
     else:
         out.write(render_table(outcomes, wall_seconds=wall, work_dir=work) + "\n")
     return exit_code(outcomes)
+
+
+def _run_scenario(harness: Harness, name: str, *, peers: bool, keep: bool) -> Outcome:
+    """Run one scenario; whatever goes wrong inside it becomes its failed outcome."""
+    from ckptpilot.fit.report import Outcome, Result
+    from ckptpilot.fit.scenarios import BY_NAME, Observation, ScenarioFailed, ScenarioSkipped
+
+    scenario = BY_NAME[name]
+    obs = Observation()
+    started = time.monotonic()
+    result, detail = Result.PASSED, ""
+    skip = _skip_reason(scenario.needs, peers)
+    if skip is not None:
+        result, detail = Result.SKIPPED, skip
+    else:
+        try:
+            detail = scenario.check(harness, name, obs)
+        except ScenarioSkipped as e:
+            result, detail = Result.SKIPPED, str(e)
+        except ScenarioFailed as e:
+            result, detail = Result.FAILED, str(e)
+        except Exception as e:  # a scenario fit cannot run fails; the others still run
+            result, detail = Result.FAILED, f"fit could not run it: {type(e).__name__}: {e}"
+    kept = harness.release(name, keep=keep or result is Result.FAILED)
+    return Outcome(scenario=name, fault=scenario.fault, result=result, detail=detail,
+                   seconds=time.monotonic() - started, recovered_step=obs.recovered_step,
+                   source=obs.source, steps_lost=obs.steps_lost, bit_exact=obs.bit_exact,
+                   restore_seconds=obs.restore_seconds,
+                   run_dir=None if kept is None else str(kept))
