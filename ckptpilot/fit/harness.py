@@ -261,10 +261,10 @@ class Trial:
         ref = self.harness.reference(dist=self.dist)
         for rank in range(self.ranks):
             want = ref.losses[rank]
-            seen: dict[int, int] = {}
+            seen: set[int] = set()
             for run in self.runs:
                 for step, value in read_losses(run.out / f"losses_rank{rank:05d}.txt"):
-                    seen[step] = seen.get(step, 0) + 1
+                    seen.add(step)
                     if want.get(step) != value:
                         why = (f"rank {rank}: the loss of step {step} in the {run.label} run "
                                f"is {float.fromhex(value)!r}, the reference's "
@@ -275,7 +275,7 @@ class Trial:
                                     "pilot is not reproducible (did something consume the "
                                     "job's random state?)")
                         return False, why
-            missing = sorted(set(want) - set(seen))
+            missing = sorted(set(want) - seen)
             if missing:
                 return False, f"rank {rank}: steps {missing[:5]} were never trained"
             final = next((run.out / f"final_rank{rank:05d}" for run in reversed(self.runs)
