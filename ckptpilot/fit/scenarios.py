@@ -83,8 +83,9 @@ def _faulted(run: ChildRun, rank: int = 0, *, may_not_fire: bool = False) -> dic
     fault = run.event("fault", rank)
     if fault is None:
         if run.returncode == 0 and may_not_fire:
-            raise ScenarioSkipped(f"the fault point was never reached in the {run.label} run "
-                                  "(this policy made no save there)")
+            raise ScenarioSkipped(f"the {run.label} run finished without reaching the fault "
+                                  f"point: no save from step {FAULT_STEP} on went that way "
+                                  "under this policy")
         raise ScenarioFailed(f"before its fault, {run.describe()}")
     if not run.killed and not (run.ranks > 1 and run.returncode not in (0, None)):
         raise ScenarioFailed(f"after its fault, {run.describe()}")
