@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -332,19 +333,18 @@ class Net(torch.nn.Module):
         return self.body(x)
 
 
-def _final_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler, sampler: ResumableSampler
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = opt.state_dict()
-    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+def _final_state(t: Training) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What the parent compares bit for bit: model, optimizer, schedule, cursor, RNGs."""
+    sd = t.opt.state_dict()
+    tensors = {f"model/{k}": v.contiguous() for k, v in t.model.state_dict().items()}
     for pid, st in sd["state"].items():
         for k, v in st.items():
             tensors[f"opt/{pid}/{k}"] = v.contiguous()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
     return tensors, {
-        "param_groups": sd["param_groups"], "sampler": sampler.state_dict(),
-        "sched": sched.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
+        "param_groups": sd["param_groups"], "sampler": t.sampler.state_dict(),
+        "sched": t.sched.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
         "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
         "python_rng": [version, list(py_state), py_gauss],
     }
@@ -383,6 +383,76 @@ def _install(fault: str | None, at_step: int, job: Job) -> None:
         _remote_down()
 
 
+@dataclass
+class Training:
+    """The model and everything that moves it, seeded: the same every time."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    model: Net
+    trained: torch.nn.Module  # the model, or its DDP wrapper
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    sampler: ResumableSampler
+    world: int
+
+    @classmethod
+    def build(cls, steps: int, rank: int, world: int) -> Training:
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1234)
+        x = torch.randn(SAMPLES, 16, generator=gen)
+        y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+        model = Net()
+        trained = (torch.nn.parallel.DistributedDataParallel(model) if world > 1
+                   else model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+        x, y = x[rank::world], y[rank::world]
+        return cls(x, y, model, trained, opt, sched, ResumableSampler(len(x), seed=7), world)
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step (python, numpy and torch randomness all play a part)."""
+        self.trained.train()
+        idx = self.sampler.take(BATCH // self.world)
+        noise = torch.from_numpy(np.random.standard_normal((len(idx), 16)).astype(np.float32))
+        xb = self.x[idx] + 0.01 * noise * (1.0 + random.random())
+        self.opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(self.trained(xb), self.y[idx])
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        return loss
+
+
+def _train(a: argparse.Namespace, job: Job, pilot: CheckpointPilot, training: Training,
+           start: int, burst: BurstProvider | None) -> None:
+    """Train from ``start`` to ``--steps``, with the faults that live in the loop."""
+    kill_between = a.fault == "kill-between" and a.fault_rank in (None, job.rank)
+    with open(a.out / f"losses_rank{job.rank:05d}.txt", "a") as losses:
+        for step in range(start + 1, a.steps + 1):
+            loss = training.step()
+            losses.write(f"{step} {loss.item().hex()}\n")
+            losses.flush()
+            decision = pilot.observe(loss)
+            if burst is not None and step == a.at_step:
+                burst.arm()
+                if not burst.wait_seen(BURST_WAIT_SECONDS):
+                    raise RuntimeError("the health monitor never read the GPU provider")
+            if burst is not None and decision.emergency:
+                pilot.flush()
+                job.die("after the emergency organ", step,
+                        level=decision.level.value if decision.level else None)
+            if kill_between and step == a.at_step:
+                pilot.flush()  # between saves: nothing in flight when the kill lands
+                job.die("between saves", step)
+            if step == a.pause_at_step and a.go_file is not None:
+                job.events.emit("paused", step=step)
+                if not _wait_for(a.go_file.exists, GO_WAIT_SECONDS):
+                    raise RuntimeError(f"{a.go_file} did not appear")
+
+
 def main(argv: list[str] | None = None) -> None:
     a = _parse(argv)
     torch.set_num_threads(1)
@@ -397,23 +467,9 @@ def main(argv: list[str] | None = None) -> None:
     injects = a.fault is not None and a.fault_rank in (None, rank)
     _install(a.fault if injects else None, a.at_step, job)
     burst = BurstProvider() if injects and a.fault == "nvml-burst" else None
-
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(SAMPLES, 16, generator=gen)
-    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
-    x, y = x[rank::world], y[rank::world]
-    model = Net()
-    trained: torch.nn.Module = model
-    if a.dist:
-        trained = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
-    sampler = ResumableSampler(len(x), seed=7)
-    pilot = CheckpointPilot(load_policy(a.config), model=model, optimizer=opt,
-                            lr_scheduler=sched, data_state=sampler,
+    training = Training.build(a.steps, rank, world)
+    pilot = CheckpointPilot(load_policy(a.config), model=training.model, optimizer=training.opt,
+                            lr_scheduler=training.sched, data_state=training.sampler,
                             gpu_health=FROM_POLICY if burst is None else burst)
     job.pilot = pilot
     try:
@@ -426,49 +482,18 @@ def main(argv: list[str] | None = None) -> None:
     job.events.emit("restored", step=start, source=rec.source.value, level=rec.level,
                     steps_lost=rec.steps_lost, seconds=rec.seconds, location=rec.location,
                     skipped=[[s.location, s.reason] for s in rec.skipped])
-    if a.exit_after_restore:
-        pilot.close()
-        job.events.emit("done", step=start)
-        return
     try:
-        with open(a.out / f"losses_rank{rank:05d}.txt", "a") as losses:
-            for step in range(start + 1, a.steps + 1):
-                trained.train()
-                idx = sampler.take(BATCH // world)
-                noise = torch.from_numpy(np.random.standard_normal((len(idx), 16))
-                                         .astype(np.float32))
-                xb = x[idx] + 0.01 * noise * (1.0 + random.random())
-                opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.cross_entropy(trained(xb), y[idx])
-                loss.backward()
-                opt.step()
-                sched.step()
-                losses.write(f"{step} {loss.item().hex()}\n")
-                losses.flush()
-                decision = pilot.observe(loss)
-                if burst is not None and step == a.at_step:
-                    burst.arm()
-                    if not burst.wait_seen(BURST_WAIT_SECONDS):
-                        raise RuntimeError("the health monitor never read the GPU provider")
-                if burst is not None and decision.emergency:
-                    pilot.flush()
-                    job.die("after the emergency organ", step, level=decision.level.value
-                            if decision.level else None)
-                if a.fault == "kill-between" and injects and step == a.at_step:
-                    pilot.flush()  # between saves: nothing in flight when the kill lands
-                    job.die("between saves", step)
-                if step == a.pause_at_step and a.go_file is not None:
-                    job.events.emit("paused", step=step)
-                    if not _wait_for(a.go_file.exists, GO_WAIT_SECONDS):
-                        raise RuntimeError(f"{a.go_file} did not appear")
+        if not a.exit_after_restore:
+            _train(a, job, pilot, training, start, burst)
         pilot.close()
     except CkptPilotError as e:
         job.events.emit("error", error=type(e).__name__, message=str(e), saves=job.saves())
         os._exit(EXIT_ERROR)
-    tensors, info = _final_state(model, opt, sched, sampler)
-    safetensors.torch.save_file(tensors, a.out / f"final_rank{rank:05d}.safetensors")
-    (a.out / f"final_rank{rank:05d}.json").write_text(json.dumps(info))
-    job.events.emit("done", step=a.steps, saves=job.saves())
+    if not a.exit_after_restore:
+        tensors, info = _final_state(training)
+        safetensors.torch.save_file(tensors, a.out / f"final_rank{rank:05d}.safetensors")
+        (a.out / f"final_rank{rank:05d}.json").write_text(json.dumps(info))
+    job.events.emit("done", step=pilot.step, saves=job.saves())
     if a.dist:
         torch.distributed.destroy_process_group()
 
