@@ -141,7 +141,7 @@ def test_forced_save_is_decoupled_from_later_in_place_updates(tmp_path: Path) ->
 def test_background_failure_surfaces_on_the_next_observe(tmp_path: Path) -> None:
     job = Job(tmp_path, interval=2)
     ckpt = job.run_dir / "checkpoints"
-    ckpt.rmdir()
+    assert not ckpt.exists()  # the first save creates it
     ckpt.write_text("not a directory")
     job.step()
     job.step()  # starts a save that fails in the background
@@ -156,7 +156,6 @@ def test_background_failure_surfaces_on_the_next_observe(tmp_path: Path) -> None
 
 def test_background_failure_surfaces_on_close(tmp_path: Path) -> None:
     job = Job(tmp_path, interval=1)
-    (job.run_dir / "checkpoints").rmdir()
     (job.run_dir / "checkpoints").write_text("x")
     job.step()
     with pytest.raises(CheckpointWriteError, match="step 1"):
