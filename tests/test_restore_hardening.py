@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -320,3 +323,38 @@ def test_reading_a_run_creates_no_remote_directory(tmp_path: Path) -> None:
         again.pilot.restore()
     again.pilot.close()
     assert not (job.run_dir / "checkpoints").exists()
+
+
+def test_waiting_for_the_metadata_lock_leaves_the_training_rng_alone(tmp_path: Path) -> None:
+    """The back-off jitter must not draw from the global ``random``: that is the training
+    job's RNG, saved in every checkpoint, and a resume would no longer be bit-exact."""
+    path = tmp_path / "metadata.sqlite"
+    MetadataStore(path).close()
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.5, holder.rollback)
+    release.start()
+    before = random.getstate()
+    with MetadataStore(path) as store:
+        store.audit("probe", {"x": 1})  # waits on the held write lock, polling with jitter
+    release.join()
+    holder.close()
+    assert random.getstate() == before
+
+
+def test_no_library_module_draws_from_the_global_python_rng() -> None:
+    import ast
+
+    import ckptpilot
+
+    root = Path(ckptpilot.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.parts[-2] == "fit" or path.name == "demo.py":
+            continue  # training jobs of their own
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "random" and node.attr not in {
+                        "Random", "getstate", "setstate"}):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno} random.{node.attr}")
+    assert offenders == []

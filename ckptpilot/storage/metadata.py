@@ -85,6 +85,10 @@ from sqlalchemy.engine import Connection, Engine
 from ckptpilot.errors import CkptPilotError, NoCheckpointError
 from ckptpilot.scheduler.decision import Level, RetentionClass
 
+# Jitter for lock/retry back-off from a private generator: drawing from the global `random`
+# would consume the training job's Python RNG and break a bit-exact resume.
+_JITTER = random.Random()
+
 __all__ = [
     "SCHEMA_VERSION",
     "AuditEntry",
@@ -548,7 +552,7 @@ class MetadataStore:
                     raise
                 if time.monotonic() >= deadline:
                     raise MetadataBusyError(f"{self._path}: {failure}") from error
-            time.sleep(random.uniform(0.0, _LOCK_POLL_SECONDS))
+            time.sleep(_JITTER.uniform(0.0, _LOCK_POLL_SECONDS))
 
     def _engines(self) -> tuple[Engine, Engine]:
         if self._closed:

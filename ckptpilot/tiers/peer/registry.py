@@ -63,6 +63,10 @@ import torch.distributed as dist
 
 from ckptpilot.errors import CkptPilotError
 
+# Jitter for lock/retry back-off from a private generator: drawing from the global `random`
+# would consume the training job's Python RNG and break a bit-exact resume.
+_JITTER = random.Random()
+
 log = logging.getLogger(__name__)
 
 PREFIX = "ckptpilot/health"
@@ -384,7 +388,7 @@ class HealthRegistry:
                 raise RegistryTimeoutError(
                     node, f"no consistent state after {waited:.1f} s: {why}; {hint}",
                     stalled=stalled, holder=holder, seq=s1)
-            time.sleep(delay * random.uniform(0.5, 1.0))
+            time.sleep(delay * _JITTER.uniform(0.5, 1.0))
             delay = min(delay * 2, _BACKOFF_MAX_SECONDS)
 
     def read_all(self, *, mark_stalled_down: bool = False) -> dict[int, NodeState]:
@@ -460,7 +464,7 @@ class HealthRegistry:
                             node, f"bit {node} of the master bitmap stayed busy for "
                             f"{now - start:.1f} s (other writers kept taking it)",
                             stalled=False, holder=holder, seq=seen[1])
-                    time.sleep(delay * random.uniform(0.5, 1.0))
+                    time.sleep(delay * _JITTER.uniform(0.5, 1.0))
                     delay = min(delay * 2, _BACKOFF_MAX_SECONDS)
                     continue
                 log.warning("health registry: %s takes over bit %d from writer %s "
