@@ -29,6 +29,7 @@ consumed at step t+1), so all ranks save at the same global steps without a barr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -149,22 +150,45 @@ class SaveRecord:
 
 
 @dataclass(frozen=True)
-class _Restored:
-    """A state applied from one source; reported once every rank agrees on its step."""
+class _Read:
+    """One checkpoint read and verified, not yet applied to the live objects."""
 
     source: RecoverySource
     level: Level
     location: str
     bytes_read: int
+    meta: Mapping[str, Any]
+    get_tensor: Callable[[str], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class _RestoreOption:
-    """One source of one step: ``load`` applies it, ``on_fail`` records why it did not."""
+    """One source of one step. ``read`` raises one of ``unreadable`` when this copy cannot
+    be read (the walk goes on to the next); ``on_fail`` records why."""
 
     where: str
-    load: Callable[[], _Restored]
-    on_fail: Callable[[str], None]
+    read: Callable[[], _Read]
+    unreadable: tuple[type[BaseException], ...]
+    on_fail: Callable[[BaseException], None]
+
+
+@dataclass
+class _RestorePlan:
+    """What this rank could restore: the sources of each step (newest first in ``steps``),
+    and what was excluded or is missing, with reasons."""
+
+    step: int | None
+    forced: bool
+    pinned: bool
+    options: dict[int, list[_RestoreOption]]
+    steps: list[int]
+    missing: list[tuple[int, SkippedCheckpoint]]
+    skipped: list[SkippedCheckpoint]
+
+
+class _AnotherRankFailed(CkptPilotError, RuntimeError):
+    """Raised on every rank whose own restore went fine when another rank's raised: all
+    ranks stop together rather than one resuming alone or waiting in a collective."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +206,8 @@ RECOVER_PIN = "recover.json"
 _PEER_ERRORS = (CkptPilotError, OSError, ValueError, KeyError, TypeError)
 PEER_FORMAT = "ckptpilot-peer-image-1"
 MAX_RECOVERY_WALK = 5
+_FAILED = -2  # sent instead of a step by a rank whose restore planning raised
+_ALWAYS_REPORTED = 1 << 62  # a "missing" entry newer than any step: reported on every outcome
 _AGREE_STEPS = 32  # candidates per rank exchanged at restore (a walk tries at most ~12)
 
 
@@ -250,7 +276,10 @@ class CheckpointPilot:
         try:
             self._open(model=model, optimizer=optimizer, gpu_health=gpu_health)
         except BaseException:
-            self._lease.release()
+            try:
+                self._teardown().close()
+            except Exception:
+                log.exception("while stopping what a pilot that failed to start had started")
             raise
 
     def _open(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -258,7 +287,7 @@ class CheckpointPilot:
         self.remote = RemoteTier(self.policy.tiers.remote.url)
         self.run_id = run_identity(self.run_dir)
         self.store = MetadataStore(self.run_dir / "metadata.sqlite")
-        # Rows of a directory from before run ids were keyed by the folder's name.
+        # A directory whose rows are keyed by its folder's name (no run id yet) is re-keyed.
         self.store.adopt_run_id(self.run_dir.name, self.run_id)
         self._validator = PostWriteValidator(self.policy.validation)
         self.scheduler = AdaptiveCheckpointScheduler(self.policy.scheduler, self.policy.retention)
@@ -734,20 +763,88 @@ class CheckpointPilot:
         to resume from, 0 when the run has no checkpoint yet.
 
         Recovery order (SPEC §7): newest ``valid`` first, from the fastest tier that holds it
-        (memory → peer → remote), re-verified on read; a checkpoint that fails to read for
-        any reason (format, digest, I/O) is marked ``corrupted`` and the chain is walked back
-        (up to 5), then the newest organ. ``last_recovery.skipped`` lists what was passed
-        over and why, including rows whose data is missing. If checkpoints exist (or are
-        recorded) but none loads, this raises rather than silently restarting the run from
-        scratch. In a distributed run every rank restores the same step: the newest one that
-        every rank can load (one small collective per step tried). A pin left by
-        ``ckptpilot recover --step N`` selects step N (any status with ``--force``) and is
-        consumed. When the previous run of this ``run_dir`` died, the interruption goes into
-        the failure ledger (it feeds the Young–Daly bound).
+        (memory → peer → remote), re-verified on read. A copy that cannot be read is skipped
+        with its reason and the chain is walked back (up to 5), then the newest organ; one
+        whose bytes are wrong (format, digest) is also marked ``corrupted``, one that met an
+        I/O error is not (the error may pass). ``last_recovery.skipped`` lists what was
+        passed over and why, including rows whose data is missing. If checkpoints exist (or
+        are recorded) but none loads, this raises rather than silently restarting the run
+        from scratch. A state that reads fine but does not fit the live objects
+        (``StateError``) is raised as it is and marks nothing: the checkpoint is good, the
+        model is not the one it came from.
+
+        In a distributed run every rank restores the same step: the newest one that every
+        rank can load (one all-gather of the candidates, one all-reduce per step tried). An
+        exception on one rank is raised there after the collectives, and every other rank
+        raises too, so that no rank resumes alone or waits forever in a collective.
+
+        A pin left by ``ckptpilot recover --step N`` selects step N (any status with
+        ``--force``) and is consumed. When the previous run of this ``run_dir`` died, the
+        interruption goes into the failure ledger (it feeds the Young–Daly bound).
         """
         self._check_open()
-        self.flush()
         t0 = time.perf_counter()
+        failure: BaseException | None = None
+        plan: _RestorePlan | None = None
+        try:
+            self.flush()
+            plan = self._plan_restore(step)
+        except BaseException as e:
+            if not self._distributed:
+                raise
+            failure = e
+        steps = plan.steps if plan is not None else []
+        if self._distributed:
+            common = self._steps_every_rank_has(steps, failure)
+            assert plan is not None
+            plan.missing += [(s, SkippedCheckpoint(plan.options[s][0].where,
+                                                   f"step {s} is not held by every rank"))
+                             for s in steps if s not in common]
+            steps = common
+        assert plan is not None
+        skipped = plan.skipped
+        for target in steps:
+            read = None
+            try:
+                read = self._read_first(plan.options[target], skipped)
+                if read is not None:
+                    self._apply(read.meta, read.get_tensor)
+            except BaseException as e:
+                if not self._distributed:
+                    raise
+                failure = e
+            if self._distributed:
+                vote = self._vote(-1 if failure is not None else int(read is not None))
+                self._raise_if_failed(vote, failure, f"step {target}")
+                if vote == 0:
+                    if read is not None:
+                        skipped.append(SkippedCheckpoint(
+                            read.location, f"another rank cannot load step {target}"))
+                    continue
+            if read is None:
+                continue
+            skipped += [m for s, m in plan.missing if s > target]
+            self._after_restore(target, read.level)
+            self.last_recovery = self._report(read.source, target, read.level.value, t0,
+                                              read.location, skipped, read.bytes_read)
+            if plan.pinned:
+                self._consume_pin(target, plan.forced)
+            log.info("restored step %d from %s in %.2f s", target, read.location,
+                     self.last_recovery.seconds)
+            return target
+        skipped += [m for _, m in plan.missing]
+        refuse = bool(skipped) or plan.step is not None
+        if self._distributed:
+            refuse = self._vote(int(not refuse)) == 0
+        if refuse:
+            raise NoCheckpointError(self._nothing_loads(plan.step, skipped))
+        self._after_restore(0, None)
+        self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
+        return 0
+
+    def _plan_restore(self, step: int | None) -> _RestorePlan:
+        """This rank's candidates, per step and fastest source first (rank-local: no
+        collective)."""
         forced = pinned = False
         pin = self.run_dir / RECOVER_PIN
         if step is None and pin.exists():
@@ -756,46 +853,16 @@ class CheckpointPilot:
             pinned = True
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
-        candidates, missing = self._recovery_candidates()
+        candidates, missing, digests = self._recovery_candidates()
         if forced:
             candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
         plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
-        skipped = [SkippedCheckpoint(self.remote.path(c.name), why) for c, why in plan.excluded]
-        options = self._restore_options(plan, step, forced)
-        steps = sorted(options, reverse=True)
-        if self._distributed:
-            common = self._steps_every_rank_has(steps)
-            missing += [(s, SkippedCheckpoint(options[s][0].where,
-                                              f"step {s} is not held by every rank"))
-                        for s in steps if s not in common]
-            steps = common
-        for target in steps:
-            restored = self._load_first(options[target], skipped)
-            if self._distributed and not self._every_rank(restored is not None):
-                if restored is not None:
-                    skipped.append(SkippedCheckpoint(
-                        restored.location, f"another rank cannot load step {target}"))
-                continue
-            if restored is None:
-                continue
-            skipped += [m for s, m in missing if s > target]
-            self._after_restore(target, restored.level)
-            self.last_recovery = self._report(restored.source, target, restored.level.value, t0,
-                                              restored.location, skipped, restored.bytes_read)
-            if pinned:
-                self._consume_pin(pin, target, forced)
-            log.info("restored step %d from %s in %.2f s", target, restored.location,
-                     self.last_recovery.seconds)
-            return target
-        skipped += [m for _, m in missing]
-        refuse = bool(skipped) or step is not None
-        if self._distributed:
-            refuse = not self._every_rank(not refuse)
-        if refuse:
-            raise NoCheckpointError(self._nothing_loads(step, skipped))
-        self._after_restore(0, None)
-        self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
-        return 0
+        options = self._restore_options(plan, step, forced, digests)
+        return _RestorePlan(
+            step=step, forced=forced, pinned=pinned, options=options,
+            steps=sorted(options, reverse=True), missing=missing,
+            skipped=[SkippedCheckpoint(self.remote.path(c.name), why)
+                     for c, why in plan.excluded])
 
     def _nothing_loads(self, step: int | None, skipped: list[SkippedCheckpoint]) -> str:
         what = f"step {step}" if step is not None else "any step"
@@ -807,55 +874,74 @@ class CheckpointPilot:
                 f"recorded or found in {self.remote.url} loads; newest: {first.location}: "
                 f"{first.reason}")
 
-    def _restore_options(self, plan: RecoveryPlan, step: int | None, forced: bool
-                         ) -> dict[int, list[_RestoreOption]]:
+    def _restore_options(self, plan: RecoveryPlan, step: int | None, forced: bool,
+                         digests: Mapping[int, str]) -> dict[int, list[_RestoreOption]]:
         """For each step this rank could restore, its sources, fastest first."""
         options: dict[int, list[_RestoreOption]] = {}
         held = self.memory.newest() if self.memory is not None and not forced else None
         if held is not None and (step is None or held.step == step):
             options.setdefault(held.step, []).append(_RestoreOption(
-                f"memory:step {held.step}", partial(self._restore_from_memory, held),
-                lambda reason: None))
+                f"memory:step {held.step}", partial(self._read_memory, held), (),
+                lambda error: None))
         newest_remote = plan.attempts[0].step if plan.attempts else -1
         for target in self._peer_targets(step, newest_remote) if not forced else []:
             assert self.peers is not None
             options.setdefault(target, []).append(_RestoreOption(
-                f"peer:{self.peers.run_id}/{target}", partial(self._restore_from_peer, target),
+                f"peer:{self.peers.run_id}/{target}", partial(self._read_peer, target),
+                (*_PEER_ERRORS, RuntimeError),
                 partial(self._mark_failed_on_restore, target, "peer")))
         for cand in plan.attempts:
+            expected = digests.get(cand.step) if cand.status is not None else None
             options.setdefault(cand.step, []).append(_RestoreOption(
-                self.remote.path(cand.name), partial(self._restore_from_remote, cand),
-                partial(self._mark_failed_on_restore, cand.step, "remote")))
+                self.remote.path(cand.name), partial(self._read_remote, cand.name, expected),
+                (CheckpointFormatError, OSError),
+                partial(self._mark_damaged_on_restore, cand.step)))
         return options
 
-    def _load_first(self, options: list[_RestoreOption], skipped: list[SkippedCheckpoint]
-                    ) -> _Restored | None:
-        """Apply the first source of one step that loads; each failure is skipped with its
-        reason (any read error: format, digest, I/O, a peer's)."""
+    def _read_first(self, options: list[_RestoreOption], skipped: list[SkippedCheckpoint]
+                    ) -> _Read | None:
+        """The first source of one step that reads and verifies; each one that cannot is
+        skipped with its reason."""
         for option in options:
             try:
-                return option.load()
-            except (*_PEER_ERRORS, RuntimeError) as e:
+                return option.read()
+            except option.unreadable as e:
                 log.warning("skipping checkpoint %s: %s", option.where, e)
                 skipped.append(SkippedCheckpoint(option.where, str(e)))
-                option.on_fail(str(e))
+                option.on_fail(e)
         return None
 
-    def _steps_every_rank_has(self, steps: list[int]) -> list[int]:
+    def _steps_every_rank_has(self, steps: list[int], failure: BaseException | None
+                              ) -> list[int]:
         """The steps (newest first) that every rank has a source for: one all-gather of each
-        rank's newest few candidates, so all ranks walk the same list."""
+        rank's newest few candidates, so all ranks walk the same list. A rank whose planning
+        raised sends a mark instead, and every rank raises."""
         mine = torch.full((_AGREE_STEPS,), -1, dtype=torch.int64)
         mine[:min(len(steps), _AGREE_STEPS)] = torch.tensor(steps[:_AGREE_STEPS],
                                                             dtype=torch.int64)
+        if failure is not None:
+            mine[0] = _FAILED
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         torch.distributed.all_gather(every, mine)
+        failed = [rank for rank, t in enumerate(every) if int(t[0]) == _FAILED]
+        self._raise_if_failed(-1 if failed else 1, failure,
+                              f"planning on rank(s) {', '.join(map(str, failed))}")
         common = set.intersection(*({s for s in t.tolist() if s >= 0} for t in every))
         return sorted(common, reverse=True)
 
-    def _every_rank(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    def _vote(self, value: int) -> int:
+        """The minimum over ranks of ``value`` (1 yes, 0 no, -1 this rank failed)."""
+        flag = torch.tensor([value], dtype=torch.int64)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
+        return int(flag.item())
+
+    def _raise_if_failed(self, vote: int, failure: BaseException | None, where: str) -> None:
+        if failure is not None:
+            raise failure
+        if vote < 0:
+            raise _AnotherRankFailed(
+                f"rank {self.rank}: another rank failed while restoring ({where}; its log "
+                "says why); every rank stops so that none resumes alone")
 
     def _peer_targets(self, step: int | None, newest_remote: int) -> list[int]:
         """Peer checkpoints to try, newest first: ``step`` if it is a valid peer row, else
@@ -878,16 +964,13 @@ class CheckpointPilot:
         newer = sorted((s for s in steps if s >= newest_remote), reverse=True)
         return newer[:MAX_RECOVERY_WALK]
 
-    def _restore_from_remote(self, cand: Candidate) -> _Restored:
-        row = self.store.get((self.run_id, cand.step, self.rank, "remote"))
-        expected = row.sha256 if row is not None and cand.status is not None else None
-        loaded = read_organ(self.remote, cand.name, manifest_sha256=expected)
-        self._apply(loaded.meta, loaded.tensor)
+    def _read_remote(self, name: str, manifest_sha256: str | None) -> _Read:
+        loaded = read_organ(self.remote, name, manifest_sha256=manifest_sha256)
         read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
-        return _Restored(RecoverySource.REMOTE, Level(loaded.manifest["level"]),
-                         loaded.location, read)
+        return _Read(RecoverySource.REMOTE, Level(loaded.manifest["level"]), loaded.location,
+                     read, loaded.meta, loaded.tensor)
 
-    def _restore_from_peer(self, step: int) -> _Restored:
+    def _read_peer(self, step: int) -> _Read:
         assert self.peers is not None
         fetched = self.peers.fetch(step)
         where = f"peer:{self.peers.run_id}/{step}"
@@ -900,7 +983,8 @@ class CheckpointPilot:
                     f"rank {meta.get('rank')!r}")
             layout = [(name, DTYPES[dtype], shape) for name, dtype, shape in meta["layout"]]
             level = Level(meta["level"])
-        except (ValueError, KeyError, TypeError) as e:
+            state = meta["state"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointFormatError(f"{where}: bad meta: {e}") from e
         arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
                  else torch.empty(0, dtype=torch.uint8))
@@ -913,23 +997,23 @@ class CheckpointPilot:
                 raise CheckpointFormatError(
                     f"{where}: state refers to tensor {key!r}, absent from the image") from None
 
-        self._apply(meta["state"], get_tensor)
         if fetched.rebuilt_shard is not None:
             where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
-        return _Restored(RecoverySource.PEER, level, where, fetched.bytes_fetched)
+        return _Read(RecoverySource.PEER, level, where, fetched.bytes_fetched, state,
+                     get_tensor)
 
-    def _consume_pin(self, pin: Path, step: int, forced: bool) -> None:
+    def _consume_pin(self, step: int, forced: bool) -> None:
         self.store.audit("recover-applied", {"step": step, "rank": self.rank,
                                              "forced": forced})
-        pin.unlink(missing_ok=True)  # every rank consumes it; the first one removes it
+        # Every rank consumes it; the first one removes it.
+        (self.run_dir / RECOVER_PIN).unlink(missing_ok=True)
 
-    def _restore_from_memory(self, held: MemoryEntry) -> _Restored:
+    def _read_memory(self, held: MemoryEntry) -> _Read:
         # Clones: an optimizer's load_state_dict may keep the very tensors it is given, and
         # these buffers go back to the snapshot pool for the next capture.
         snap = held.snapshot
-        self._apply(snap.meta, lambda key: snap.tensors[key].clone())
-        return _Restored(RecoverySource.MEMORY, Level(held.level), f"memory:step {held.step}",
-                         snap.nbytes)
+        return _Read(RecoverySource.MEMORY, Level(held.level), f"memory:step {held.step}",
+                     snap.nbytes, snap.meta, lambda key: snap.tensors[key].clone())
 
     def _apply(self, meta: Mapping[str, Any], get_tensor: Callable[[str], torch.Tensor]
                ) -> None:
@@ -939,12 +1023,13 @@ class CheckpointPilot:
         self.epoch = meta.get("epoch")
 
     def _recovery_candidates(self) -> tuple[list[Candidate],
-                                            list[tuple[int, SkippedCheckpoint]]]:
+                                            list[tuple[int, SkippedCheckpoint]],
+                                            dict[int, str]]:
         """Published archives of this rank with their metadata status, and the ``valid`` rows
         whose archive is missing (deleted, a wrong mount or ``tiers.remote.url``): those count
         as checkpoints that exist, so losing them is never a silent restart from scratch.
         Repairs the traces a killed writer left (staging directories, rows still
-        ``pending``)."""
+        ``pending``). Also returns the manifest digest each step's row recorded."""
         try:
             listing = list_archives(self.remote, self.rank)
         except OSError as e:
@@ -992,7 +1077,10 @@ class CheckpointPilot:
             for row in sorted(rows.values(), key=lambda r: -r.step)
             if row.status is Status.VALID and checkpoint_name(row.step, self.rank)
             not in published]
-        return candidates, missing
+        if unlisted is not None and not missing:  # nothing recorded, nothing listable
+            missing.append((_ALWAYS_REPORTED, SkippedCheckpoint(
+                self.remote.url, f"cannot list the remote tier: {unlisted}")))
+        return candidates, missing, {step: row.sha256 for step, row in rows.items()}
 
     def _rows_by_step(self) -> dict[int, CheckpointRow]:
         """This rank's remote rows, the newest row of each step."""
@@ -1001,10 +1089,16 @@ class CheckpointPilot:
             rows.setdefault(row.step, row)
         return rows
 
-    def _mark_failed_on_restore(self, step: int, tier: str, reason: str) -> None:
+    def _mark_failed_on_restore(self, step: int, tier: str, error: BaseException) -> None:
         row = self.store.get((self.run_id, step, self.rank, tier))
         if row is not None and row.status in (Status.VALID, Status.PENDING):
-            self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {reason}"[:2000])
+            self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {error}"[:2000])
+
+    def _mark_damaged_on_restore(self, step: int, error: BaseException) -> None:
+        """Only wrong bytes mark a remote copy corrupted; an I/O error may pass (a flaky
+        mount) and must not condemn a good checkpoint to the next prune."""
+        if isinstance(error, CheckpointFormatError):
+            self._mark_failed_on_restore(step, "remote", error)
 
     def _after_restore(self, step: int, level: Level | None) -> None:
         if self.memory is not None:
@@ -1052,28 +1146,39 @@ class CheckpointPilot:
         self._raise_background_errors()
 
     def close(self) -> None:
+        """Wait for every pending save, then stop every thread and release the run (the
+        lease last); every step runs even when an earlier one raised, and the first error
+        is raised after them."""
         if self._closed:
             return
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
-        try:
+        with self._teardown():
             self.flush()
-        finally:
-            self._executor.shutdown(wait=True)
-            if self._agree_work is not None:
-                self._agree_work.wait()
-            self._heartbeat.close()
-            if self._health is not None:
-                self._health.stop()
-            self._telemetry.close()
-            self._validator.close()
-            if self.peers is not None:
-                self.peers.close()
-            if self._run_started:
-                self._ledger.record_run_end(self.step)
-            self.store.close()
-            self._lease.release()
+
+    def _teardown(self) -> contextlib.ExitStack:
+        """The stops and releases of a pilot, in order, as one stack whose every callback
+        runs; safe on a pilot whose construction failed part-way."""
+        stack = contextlib.ExitStack()
+        stack.callback(self._lease.release)
+
+        def then(name: str, method: str) -> None:
+            part = getattr(self, name, None)
+            if part is not None:
+                stack.callback(getattr(part, method))
+
+        then("store", "close")
+        if getattr(self, "_run_started", False):
+            stack.callback(lambda: self._ledger.record_run_end(self.step))
+        then("peers", "close")
+        then("_validator", "close")
+        then("_telemetry", "close")
+        then("_health", "stop")
+        then("_heartbeat", "close")
+        then("_agree_work", "wait")
+        then("_executor", "shutdown")
+        return stack
 
     def __enter__(self) -> CheckpointPilot:
         return self

@@ -25,14 +25,15 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ckptpilot.errors import RunDirBusyError
 
 RUN_ID_FILE = "run_id"
-__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunLease", "every_lease", "lease_path",
-           "read_run_id", "run_identity"]
+__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunLease", "aside_path", "every_lease",
+           "lease_path", "read_run_id", "run_identity"]
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -91,14 +92,23 @@ class RunLease:
                 f"run directory {run_dir} is in use: rank {rank} is held by {holder} "
                 f"(lease {self.path}); stop that process or give this run another "
                 "run_dir") from None
-        except OSError:
+        except OSError as e:
             os.close(fd)
-            raise
+            raise RunDirBusyError(
+                f"cannot lock {self.path}: {e.strerror or e} (a file system without file "
+                "locks? put the run directory on one that has them)") from e
+        try:
+            info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since_unix": time.time()}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info, 0)
+        except OSError as e:
+            os.close(fd)
+            raise RunDirBusyError(
+                f"cannot write the lease {self.path}: {e.strerror or e}") from e
         self._fd: int | None = fd
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                           "since_unix": time.time()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info, 0)
+        # A pilot dropped without close() still lets go when it is collected.
+        self._finalizer = weakref.finalize(self, os.close, fd)
 
     @property
     def held(self) -> bool:
@@ -108,6 +118,7 @@ class RunLease:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        self._finalizer.detach()
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -130,8 +141,23 @@ def every_lease(run_dir: Path) -> Iterator[list[RunLease]]:
     held: list[RunLease] = []
     try:
         for path in sorted(run_dir.glob("lease_rank_*.lock")):
-            held.append(RunLease(run_dir, int(path.stem.rsplit("_", 1)[1])))
+            rank = path.stem.rsplit("_", 1)[1]
+            if rank.isdigit():
+                held.append(RunLease(run_dir, int(rank)))
         yield held
     finally:
         for lease in held:
             lease.release()
+
+
+def aside_path(path: Path, label: str, companions: Sequence[str] = ("",)) -> Path:
+    """A name beside ``path`` that neither it nor any companion file (``path`` + suffix, e.g.
+    a database's ``-wal``) takes yet: ``<name>.<label>-<unix time>``, then ``-1``, ``-2`` …
+    What a run sets aside (damaged or replaced files) is evidence and is never deleted."""
+    stamp = int(time.time())
+    aside = path.with_name(f"{path.name}.{label}-{stamp}")
+    extra = 0
+    while any(os.path.lexists(f"{aside}{suffix}") for suffix in companions):
+        extra += 1
+        aside = path.with_name(f"{path.name}.{label}-{stamp}-{extra}")
+    return aside

@@ -2,7 +2,8 @@
 
 ``--phase train``: 15 steps with an organ forced at steps 5, 10, 15; prints the published
 steps and a digest of the model after every step. ``--phase restore``: restores and
-prints the step, the skipped locations and the model digest.
+prints the step, the skipped locations and the model digest. ``--phase restore-misfit``:
+rank 1's model does not fit its checkpoints; each rank prints the error its restore raised.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckptpilot import CheckpointPilot
+from ckptpilot import CheckpointPilot, CkptPilotError
 from ckptpilot.storage import archive
 from ckptpilot.tiers.remote import RemoteTier
 
@@ -34,7 +35,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--phase", choices=("train", "restore"), required=True)
+    p.add_argument("--phase", choices=("train", "restore", "restore-misfit"), required=True)
     a = p.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
                             world_size=2)
@@ -47,7 +48,8 @@ def main() -> None:
         observability: {tensorboard: false, decision_log: false}
         """))
     torch.manual_seed(a.rank)
-    model = torch.nn.Linear(4, 3)
+    misfit = a.phase == "restore-misfit" and a.rank == 1
+    model = torch.nn.Linear(4, 5 if misfit else 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pilot = CheckpointPilot(cfg, model=model, optimizer=opt, run_dir=a.run_dir)
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(7 + a.rank))
@@ -67,6 +69,12 @@ def main() -> None:
         tier = RemoteTier(str(a.run_dir / "checkpoints"))
         published = sorted(s for s, _ in archive.list_archives(tier, a.rank).published)
         print(json.dumps({"published": published, "digests": digests}))
+    elif a.phase == "restore-misfit":  # rank 1's model does not fit its checkpoints
+        try:
+            pilot.restore()
+        except CkptPilotError as e:
+            print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+        pilot.close()
     else:
         step = pilot.restore()
         rec = pilot.last_recovery

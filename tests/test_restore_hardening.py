@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_pilot import Job
 
-from ckptpilot import CheckpointPilot, NoCheckpointError, RecoverySource
+from ckptpilot import CheckpointPilot, NoCheckpointError, RecoverySource, StateError
 from ckptpilot.cli import main as cli_main
 from ckptpilot.rundir import RUN_ID_FILE, RunDirBusyError, RunLease
 from ckptpilot.storage import archive
@@ -133,20 +133,42 @@ def test_an_archive_other_than_the_one_recorded_is_refused_by_its_digest(
 
 
 def test_a_read_error_skips_the_checkpoint_and_walks_back(tmp_path: Path) -> None:
+    """An I/O error skips the copy without condemning it (it may pass: a flaky mount);
+    wrong bytes mark it corrupted."""
     job, bits = trained(tmp_path)
     manifest = ckpt_dir(job, 12) / archive.MANIFEST_FILE
     manifest.unlink()
     manifest.mkdir()  # reading it raises IsADirectoryError
+    (ckpt_dir(job, 9) / archive.STATE_FILE).write_text("{}")
     again = Job(tmp_path, interval=3)
-    assert again.pilot.restore() == 9
+    assert again.pilot.restore() == 6
     rec = again.pilot.last_recovery
-    assert rec is not None and len(rec.skipped) == 1 and "Is a directory" in \
-        rec.skipped[0].reason
-    assert all(torch.equal(model_bits(again.model)[k], bits[9][k]) for k in bits[9])
+    assert rec is not None and [s.location for s in rec.skipped] == [
+        str(ckpt_dir(job, 12)), str(ckpt_dir(job, 9))]
+    assert "Is a directory" in rec.skipped[0].reason
+    assert "truncated" in rec.skipped[1].reason
+    assert all(torch.equal(model_bits(again.model)[k], bits[6][k]) for k in bits[6])
     again.pilot.close()
     with MetadataStore(job.run_dir / "metadata.sqlite") as store:
         statuses = {r.step: r.status for r in store.rows(store_run_id(job.run_dir))}
-    assert statuses[12] is Status.CORRUPTED and statuses[9] is Status.VALID
+    # 12 and 9 are expired by the restore to 6 (an abandoned continuation), 12 never corrupted
+    assert statuses == {3: Status.VALID, 6: Status.VALID, 9: Status.CORRUPTED,
+                        12: Status.EXPIRED}
+
+
+def test_a_state_that_does_not_fit_the_model_is_raised_and_marks_nothing(
+        tmp_path: Path) -> None:
+    job, _ = trained(tmp_path)
+    policy = job.pilot.policy
+    wrong = CheckpointPilot(policy, model=torch.nn.Linear(3, 3), run_dir=job.run_dir)
+    with pytest.raises(StateError):
+        wrong.restore()
+    wrong.close()
+    with MetadataStore(job.run_dir / "metadata.sqlite") as store:
+        assert {r.status for r in store.rows(store_run_id(job.run_dir))} == {Status.VALID}
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 12
+    again.pilot.close()
 
 
 def store_run_id(run_dir: Path) -> str:
@@ -249,6 +271,11 @@ def test_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Path) 
         # Every rank holds exactly the state it had at that step of the uninterrupted run.
         assert [r["digest"] for r in restored] == [f["digests"][str(before)] for f in finished]
         assert any("step 15" in s or "step_00000015" in s for s in restored[0]["skipped"])
+    # An exception on one rank (its model does not fit) stops every rank: none resumes
+    # alone, none waits forever in a collective.
+    errors = ranks(trained_dir, "restore-misfit")
+    assert [e["error"] for e in errors] == ["_AnotherRankFailed", "StateError"], errors
+    assert "another rank failed while restoring" in errors[0]["message"]
 
 
 def test_a_restart_after_the_clock_jumped_back_resumes_and_observes(tmp_path: Path) -> None:
@@ -358,3 +385,34 @@ def test_no_library_module_draws_from_the_global_python_rng() -> None:
                         "Random", "getstate", "setstate"}):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno} random.{node.attr}")
     assert offenders == []
+
+
+def test_close_releases_the_run_even_when_a_step_of_it_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = Job(tmp_path, interval=3)
+    job.step()
+
+    def disk_full(step: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(job.pilot._ledger, "record_run_end", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        job.pilot.close()
+    Job(tmp_path, interval=3).pilot.close()  # the lease went with the failed close
+
+
+def test_a_pilot_that_fails_to_start_stops_what_it_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger is opened after the writer, telemetry and heartbeat threads started."""
+    import ckptpilot.pilot as pilot_module
+
+    def unreadable(path: Path) -> None:
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(pilot_module, "FailureLedger", unreadable)
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="Input/output error"):
+        Job(tmp_path, interval=3)
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    monkeypatch.undo()
+    Job(tmp_path, interval=3).pilot.close()  # and the lease is free
