@@ -233,6 +233,10 @@ def test_complete_last_record_without_newline_is_kept(tmp_path: Path) -> None:
             "line 2: run_end record has step=True, not a int",
         ),
         ("\x00\xff\x13 binary junk", "line 2: not a JSON record"),
+        ('{"v": 1, "kind": "run_start", "wall_time": ' + "9" * 400 + ', "step": 0}',
+         "line 2: run_start record has wall_time beyond ±2**53"),
+        ('{"v": 1, "kind": "run_end", "wall_time": 1.0, "step": ' + "9" * 5000 + "}",
+         "line 2: not a JSON record"),
     ],
 )
 def test_a_bad_line_before_the_end_sets_the_file_aside_and_keeps_the_valid_records(

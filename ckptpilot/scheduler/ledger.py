@@ -76,6 +76,7 @@ FUTURE_SLACK_SECONDS = 60.0
 reads a clock that may differ a little from the one that stamped the dead run's records."""
 
 _NUMBER = (int, float)
+_MAX_MAGNITUDE = 2**53  # every field (steps, unix times, seconds) fits; floats stay exact
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "wall_time": _NUMBER,
     "failed_at": _NUMBER,
@@ -378,7 +379,7 @@ def _parse(line: bytes, number: int) -> dict[str, Any]:
     """One valid record; :class:`CheckpointFormatError` naming the line and its fault."""
     try:
         record = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSON, UTF-8, an int past the digit limit
         raise CheckpointFormatError(f"line {number}: not a JSON record ({exc})") from exc
     if not isinstance(record, dict) or record.get("v") != LEDGER_VERSION:
         raise CheckpointFormatError(
@@ -396,9 +397,14 @@ def _parse(line: bytes, number: int) -> dict[str, Any]:
         value = record.get(name)
         if name in record and (isinstance(value, bool) or not isinstance(value, types)):
             raise CheckpointFormatError(
-                f"line {number}: {record['kind']} record has {name}={value!r}, not a "
+                f"line {number}: {record['kind']} record has {name}={value!r:.80}, not a "
                 f"{' or '.join(t.__name__ for t in types)}"
             )
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+                abs(value) <= _MAX_MAGNITUDE):
+            raise CheckpointFormatError(
+                f"line {number}: {record['kind']} record has {name} beyond ±2**53: "
+                f"{str(value)[:40]}")
     return record
 
 
