@@ -195,11 +195,21 @@ def _url_protocols(url: str) -> list[str]:
     return protocols
 
 
+def _check_path_text(path: str) -> str:
+    """A NUL or another control character in a path makes the OS call fail later, far from
+    the policy; refuse it here."""
+    bad = next((c for c in path if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"contains the control character {bad!r}: {path[:80]!r}")
+    return path
+
+
 def _check_url(url: str) -> str:
     """Refuse a protocol fsspec does not know, or whose optional package is not installed.
 
     ``get_filesystem_class`` imports the backend and nothing more: no connection is made.
     """
+    _check_path_text(url)
     for protocol in _url_protocols(url):
         try:
             fsspec.get_filesystem_class(protocol)
@@ -498,7 +508,8 @@ class Policy(_Section):
 
     model_config = ConfigDict(populate_by_name=True)
 
-    run_dir: str = Field("runs/default", min_length=1, max_length=_MAX_PATH_CHARS)
+    run_dir: Annotated[str, AfterValidator(_check_path_text)] = Field(
+        "runs/default", min_length=1, max_length=_MAX_PATH_CHARS)
     scheduler: SchedulerPolicy = Field(default_factory=SchedulerPolicy)
     levels: LevelsPolicy = Field(default_factory=LevelsPolicy)
     codecs: CodecsPolicy = Field(default_factory=CodecsPolicy)

@@ -847,3 +847,14 @@ def test_any_text_loads_or_raises_policy_error(tmp_path: Path, text: str, tail: 
         load_policy(path)
     except PolicyError as exc:
         assert str(exc)
+
+
+@pytest.mark.parametrize("key", ["run_dir", "url"])
+@pytest.mark.parametrize("char", ["\x00", "\n", "\x7f"])
+def test_a_control_character_in_a_path_is_refused_at_load(tmp_path: Path, key: str,
+                                                           char: str) -> None:
+    data = ({"run_dir": f"runs/a{char}b"} if key == "run_dir"
+            else {"tiers": {"remote": {"url": f"/data/a{char}b"}}})
+    with pytest.raises(PolicyError, match="control character") as info:
+        load_policy(write_policy(tmp_path, yaml.safe_dump(data)))
+    assert info.value.key == ("run_dir" if key == "run_dir" else "tiers.remote.url")
