@@ -21,7 +21,7 @@ from ckptpilot.errors import CheckpointFormatError, CkptPilotError
 from ckptpilot.pilot import RECOVER_PIN
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
-from ckptpilot.rundir import every_lease, read_run_id, run_identity
+from ckptpilot.rundir import aside_path, every_lease, read_run_id, run_identity
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
 from ckptpilot.storage.metadata import (
     CheckpointRow,
@@ -254,12 +254,7 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
 def _set_aside(db_path: Path, label: str) -> Path:
     """Rename the database (with its ``-wal`` and ``-shm`` files) to a name no file has yet;
     returns the new name. A damaged file is evidence, so it is never deleted."""
-    stamp = int(time.time())
-    aside = db_path.with_name(f"{DB_NAME}.{label}-{stamp}")
-    n = 0
-    while any(os.path.lexists(f"{aside}{suffix}") for suffix in _DB_SUFFIXES):
-        n += 1
-        aside = db_path.with_name(f"{DB_NAME}.{label}-{stamp}.{n}")
+    aside = aside_path(db_path, label, _DB_SUFFIXES)
     for suffix in _DB_SUFFIXES:
         if os.path.lexists(f"{db_path}{suffix}"):
             os.rename(f"{db_path}{suffix}", f"{aside}{suffix}")

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
+
+from ckptpilot.rundir import aside_path
 
 __all__ = ["set_aside"]
 
@@ -30,12 +31,7 @@ def set_aside(path: Path, problem: str, consequence: str) -> Path:
     without it; both go into the WARNING. Returns the new path. An ``OSError`` from the rename
     propagates: a file that can be neither read nor moved needs the user.
     """
-    stamp = int(time.time())
-    aside = path.with_name(f"{path.name}.damaged-{stamp}")
-    extra = 0
-    while aside.exists() or aside.is_symlink():  # several set aside within one second
-        extra += 1
-        aside = path.with_name(f"{path.name}.damaged-{stamp}-{extra}")
+    aside = aside_path(path, "damaged")
     os.rename(path, aside)
     log.warning(
         "%s is damaged (%s); kept it as %s and started a fresh one; %s",
