@@ -76,7 +76,18 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
 
 
+# A persistent client connection holds one handler thread; TCP keepalive probes find a client
+# host that vanished without closing (power loss) within ~1-2 minutes and free that thread.
+_KEEPALIVE = (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+
+
 class _Handler(socketserver.BaseRequestHandler):
+    def setup(self) -> None:
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE:
+            if hasattr(socket, name):  # Linux names; other systems keep their defaults
+                self.request.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
     def handle(self) -> None:
         self.server.peer_daemon.serve_connection(self.request, self.client_address)  # type: ignore[attr-defined]
 
