@@ -96,6 +96,8 @@ _MAX_STEPS = 10**9
 """Intervals counted in optimizer steps."""
 _MAX_WINDOW = 100_000
 """Rolling windows: the consumers allocate one slot per entry."""
+_MAX_SIGNAL_WINDOW = 1000
+"""Windows of the scheduler's signals: the training thread sorts one every step."""
 _MAX_COUNT = 100_000
 """Counts of steps, probes or checkpoints (``consecutive``, ``organ_every``, ``*_keep``)."""
 _MAX_SECONDS = 86_400.0
@@ -286,34 +288,71 @@ class SchedulerWeights(_Section):
 
 
 class LossSignalPolicy(_Section):
-    """Loss-trend signal: EWMA of the log10-loss slope (SPEC §4.1)."""
+    """Loss-change signal: robust z-score of the short-window log10-loss slope (SPEC §4.1).
 
-    ewma_alpha: float = Field(0.2, gt=0, le=1)
-    window: int = Field(20, ge=2, le=_MAX_WINDOW)
-    slope_threshold: float = Field(0.05, gt=0, le=_MAX_RATIO)
-    consecutive: int = Field(3, ge=1, le=_MAX_COUNT)
+    ``window``: losses whose median the new one is compared with (the slope's window, steps);
+    ``history``: slopes whose median and MAD judge the new slope; the signal grows linearly
+    from 0 at |z| = ``z_low`` to 1 at ``z_high``; a slope within ``slope_threshold`` decades
+    per step of its median never counts (a relative change: it keeps a flat loss quiet).
+    """
+
+    window: int = Field(8, ge=2, le=_MAX_SIGNAL_WINDOW)
+    history: int = Field(32, ge=4, le=_MAX_SIGNAL_WINDOW)
+    z_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
+    z_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
+    slope_threshold: float = Field(0.001, ge=0, le=_MAX_RATIO)
+
+    @model_validator(mode="after")
+    def _check_band(self) -> Self:
+        _check_band("z_low", self.z_low, "z_high", self.z_high)
+        return self
 
 
 class GradSignalPolicy(_Section):
-    """Gradient-activity signal: grad-norm outliers against a rolling window (SPEC §4.2)."""
+    """Gradient-activity signal: robust deviation and growth of log grad norm (SPEC §4.2).
+
+    Probes every ``probe_every`` steps; ``window`` probes give the median and MAD; deviation
+    grows from 0 at z = ``z_low`` to 1 at ``z_high``; growth is a CUSUM of z minus
+    ``growth_allowance`` per probe, graded from 0 at ``growth_low`` to 1 at ``growth_high``.
+    """
 
     probe_every: int = Field(10, ge=1, le=_MAX_STEPS)
-    window: int = Field(50, ge=2, le=_MAX_WINDOW)
-    k_sigma: float = Field(3.0, gt=0, le=_MAX_RATIO)
-    min_rel_change: float = Field(0.1, ge=0, le=_MAX_RATIO)
-    consecutive: int = Field(2, ge=1, le=_MAX_COUNT)
+    window: int = Field(32, ge=4, le=_MAX_SIGNAL_WINDOW)
+    z_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
+    z_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
+    growth_allowance: float = Field(1.5, ge=0, le=_MAX_RATIO)
+    growth_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
+    growth_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
+
+    @model_validator(mode="after")
+    def _check_band(self) -> Self:
+        _check_band("z_low", self.z_low, "z_high", self.z_high)
+        _check_band("growth_low", self.growth_low, "growth_high", self.growth_high)
+        return self
+
+
+def _check_band(low_key: str, low: float, high_key: str, high: float) -> None:
+    if low >= high:
+        raise _KeyedError(
+            high_key,
+            f"{high_key} ({high:g}) must be above {low_key} ({low:g}): the signal grows from "
+            f"0 at {low_key} to 1 at {high_key}; raise {high_key}",
+        )
 
 
 class SystemSignalPolicy(_Section):
-    """System-health signal: NVML errors and IO latency (SPEC §4.3).
+    """System-health signal: NVML errors and IO latency (SPEC §4.3), and the hazard window.
 
     ``nvml``: ``auto`` uses NVML when a GPU and the library are present, ``true`` requires it,
-    ``false`` never loads it.
+    ``false`` never loads it. ``hazard_window_steps``: after a precursor (any signal at 0.5 or
+    more, or a non-finite loss or grad norm) the system signal is at least a hazard that falls
+    from 1 to 0 over this many steps; 0 turns it off.
     """
 
     nvml: Annotated[Literal["auto", True, False], BeforeValidator(_check_nvml)] = "auto"
     io_latency_ms: float = Field(15, gt=0, le=_MAX_SECONDS * 1000)
     sustained_seconds: _Seconds = 5
+    hazard_window_steps: int = Field(100, ge=0, le=_MAX_STEPS)
 
 
 class SchedulerPolicy(_Section):

@@ -67,7 +67,9 @@ def test_reference_values() -> None:
     assert policy.scheduler.base_interval == 100
     assert (policy.scheduler.min_interval, policy.scheduler.max_interval) == (10, 500)
     assert policy.scheduler.weights.grad == 0.35
-    assert policy.scheduler.grad.k_sigma == 3.0
+    assert (policy.scheduler.grad.z_low, policy.scheduler.grad.z_high) == (5.0, 10.0)
+    assert (policy.scheduler.loss.window, policy.scheduler.loss.history) == (8, 32)
+    assert policy.scheduler.system.hazard_window_steps == 100
     assert policy.scheduler.system.nvml == "auto"
     assert policy.levels.heartbeat.every == 1
     assert policy.codecs.weights == "xor_delta"
@@ -98,7 +100,9 @@ def test_models_are_frozen() -> None:
     [
         ("bogus: 1", "bogus", "unknown key"),
         ("scheduler:\n  min_intervall: 5", "scheduler.min_intervall", "mean 'min_interval'"),
-        ("scheduler:\n  loss: {ewma_alpha: 0.2, windw: 3}", "scheduler.loss.windw", "unknown"),
+        ("scheduler:\n  loss: {z_low: 5.0, windw: 3}", "scheduler.loss.windw", "unknown"),
+        ("scheduler:\n  loss: {ewma_alpha: 0.2}", "scheduler.loss.ewma_alpha", "unknown"),
+        ("scheduler:\n  grad: {k_sigma: 3.0}", "scheduler.grad.k_sigma", "unknown"),
         ("tiers:\n  memory: {max_bytes: 1GiB, cap: 2}", "tiers.memory.cap", "unknown"),
         ("async: {max_pending: 2, extra: 1}", "async.extra", "unknown key"),
     ],
@@ -125,7 +129,7 @@ def test_unknown_keys_are_rejected_with_full_path(
         ("tiers:\n  peer: {endpoints: 'a:1'}", "tiers.peer.endpoints"),
         ("run_dir: 3", "run_dir"),
         ("async: {max_pending: two}", "async.max_pending"),
-        ("scheduler:\n  loss: {ewma_alpha: .nan}", "scheduler.loss.ewma_alpha"),
+        ("scheduler:\n  loss: {z_low: .nan}", "scheduler.loss.z_low"),
     ],
 )
 def test_wrong_types_name_the_key(tmp_path: Path, text: str, key: str) -> None:
@@ -142,10 +146,15 @@ def test_wrong_types_name_the_key(tmp_path: Path, text: str, key: str) -> None:
         ("scheduler:\n  max_interval: -5", "scheduler.max_interval"),
         ("scheduler:\n  organ_every: 0", "scheduler.organ_every"),
         ("scheduler:\n  trigger_threshold: 1.5", "scheduler.trigger_threshold"),
-        ("scheduler:\n  loss: {ewma_alpha: 0}", "scheduler.loss.ewma_alpha"),
+        ("scheduler:\n  loss: {z_high: 0}", "scheduler.loss.z_high"),
+        ("scheduler:\n  loss: {history: 3}", "scheduler.loss.history"),
+        ("scheduler:\n  loss: {slope_threshold: -0.1}", "scheduler.loss.slope_threshold"),
+        ("scheduler:\n  grad: {window: 3}", "scheduler.grad.window"),
+        ("scheduler:\n  grad: {growth_allowance: -1}", "scheduler.grad.growth_allowance"),
+        ("scheduler:\n  system: {hazard_window_steps: -1}",
+         "scheduler.system.hazard_window_steps"),
         ("scheduler:\n  loss: {window: 1}", "scheduler.loss.window"),
         ("scheduler:\n  grad: {probe_every: 0}", "scheduler.grad.probe_every"),
-        ("scheduler:\n  grad: {consecutive: 0}", "scheduler.grad.consecutive"),
         ("scheduler:\n  system: {io_latency_ms: 0}", "scheduler.system.io_latency_ms"),
         ("levels:\n  heartbeat: {every: 0}", "levels.heartbeat.every"),
         ("codecs: {prefix_bits: 32}", "codecs.prefix_bits"),
@@ -531,9 +540,9 @@ def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
         scheduler:
           base_interval: 1000000
           max_interval: 1000000
-          loss: {window: 100000, slope_threshold: 1000.0}
-          grad: {window: 100000, probe_every: 1000}
-          system: {sustained_seconds: 3600}
+          loss: {window: 1000, history: 1000, slope_threshold: 1000.0}
+          grad: {window: 1000, probe_every: 1000}
+          system: {sustained_seconds: 3600, hazard_window_steps: 1000000}
         codecs: {threads: 256}
         tiers:
           memory: {max_bytes: 2TiB}
@@ -544,9 +553,45 @@ def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
         async: {max_pending: 8}
         """,
     )
-    assert policy.scheduler.grad.window == 100_000
+    assert policy.scheduler.grad.window == 1000
     assert policy.tiers.memory.max_bytes == 2 * 2**40
     assert policy.tiers.peer.timeout_seconds == 600
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "match"),
+    [
+        ("scheduler:\n  loss: {z_low: 6, z_high: 6}", "scheduler.loss.z_high",
+         r"z_high \(6\) must be above z_low \(6\).*raise z_high"),
+        ("scheduler:\n  grad: {z_low: 9, z_high: 4}", "scheduler.grad.z_high",
+         r"z_high \(4\) must be above z_low \(9\)"),
+        ("scheduler:\n  grad: {growth_low: 12}", "scheduler.grad.growth_high",
+         r"growth_high \(10\) must be above growth_low \(12\).*raise growth_high"),
+    ],
+)
+def test_a_signal_band_upside_down_names_its_upper_key(
+    tmp_path: Path, text: str, key: str, match: str
+) -> None:
+    with pytest.raises(PolicyError, match=match) as info:
+        load_text(tmp_path, text)
+    assert info.value.key == key
+
+
+def test_the_new_signal_keys_load_from_yaml(tmp_path: Path) -> None:
+    policy = load_text(
+        tmp_path,
+        """\
+        scheduler:
+          loss: {window: 4, history: 16, z_low: 3, z_high: 6.5, slope_threshold: 0}
+          grad: {window: 16, z_low: 2, z_high: 4, growth_allowance: 0.5, growth_low: 1,
+                 growth_high: 2}
+          system: {hazard_window_steps: 0}
+        """,
+    )
+    loss, grad = policy.scheduler.loss, policy.scheduler.grad
+    assert (loss.window, loss.history, loss.z_low, loss.z_high) == (4, 16, 3.0, 6.5)
+    assert (grad.growth_allowance, grad.growth_low, grad.growth_high) == (0.5, 1.0, 2.0)
+    assert policy.scheduler.system.hazard_window_steps == 0
 
 
 # --- the cases of the issue: each used to escape as another exception or fail later --------
@@ -554,7 +599,8 @@ def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("window", [100_000_000_000, 200_000_000])
 def test_a_grad_window_that_would_exhaust_memory_is_refused(tmp_path: Path, window: int) -> None:
-    with pytest.raises(PolicyError, match="less than or equal to 100000") as info:
+    # The training thread sorts the window every probe: 1000 is the most it may hold.
+    with pytest.raises(PolicyError, match="less than or equal to 1000 ") as info:
         load_text(tmp_path, f"scheduler:\n  grad: {{window: {window}}}")
     assert info.value.key == "scheduler.grad.window"
 

@@ -16,10 +16,11 @@ from ckptpilot.policy import (
     RetentionPolicy,
     SchedulerPolicy,
     SchedulerWeights,
+    SystemSignalPolicy,
 )
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass, SystemHealth
-from ckptpilot.scheduler.signals import GradActivity, LossTrend
+from ckptpilot.scheduler.signals import LOSS_EPSILON, GradActivity, Hazard, LossChange
 
 CALM = {"loss": 0.0, "grad": 0.0, "system": 0.0, "hard_errors": 0.0, "non_finite": 0.0}
 
@@ -43,187 +44,242 @@ def run_calm(scheduler: AdaptiveCheckpointScheduler, steps: range) -> list[Check
     return [scheduler.decide_from(step, CALM) for step in steps]
 
 
-# -- loss trend ---------------------------------------------------------------------------
+# -- loss change ----------------------------------------------------------------------------
 
 
-def test_loss_trend_follows_the_ewma_formula_on_log10_loss() -> None:
-    trend = LossTrend(LossSignalPolicy())
-    losses = [10.0, 1.0, 0.1, 0.01]
-    expected_slope = 0.0
-    previous = None
+def descent(steps: int, decades_per_step: float, noise: float, seed: int = 0) -> list[float]:
+    """A loss falling at a constant rate in log10, with multiplicative uniform noise."""
+    rng = random.Random(seed)
+    return [
+        10.0 ** (-decades_per_step * step) * (1.0 + rng.uniform(-noise, noise))
+        for step in range(steps)
+    ]
+
+
+def loss_signals(losses: list[float], policy: LossSignalPolicy | None = None) -> list[float]:
+    change = LossChange(LossSignalPolicy() if policy is None else policy)
+    out = []
     for loss in losses:
-        assert trend.update(loss)
-        x = math.log10(loss + 1e-8)
-        if previous is not None:
-            expected_slope = 0.2 * (x - previous) + 0.8 * expected_slope
-        previous = x
-        assert trend.slope == pytest.approx(expected_slope, rel=1e-12)
+        change.update(loss)
+        out.append(change.signal)
+    return out
 
 
-def test_loss_trend_fires_only_after_three_consecutive_steep_steps() -> None:
-    trend = LossTrend(LossSignalPolicy())
-    fired = []
-    for t in range(12):
-        trend.update(10.0 ** (-0.1 * t))  # one decade every 10 steps
-        fired.append(trend.signal)
-    # Slopes: 0, -0.02, -0.036, -0.0488, -0.059 (first above 0.05 in magnitude), ...
-    first_steep = next(i for i in range(12) if abs(-0.1 * (1 - 0.8**i)) > 0.05)
-    assert first_steep == 4
-    assert fired[: first_steep + 2] == [0.0] * (first_steep + 2)
-    assert fired[first_steep + 2 :] == [1.0] * (12 - first_steep - 2)
+@pytest.mark.parametrize("rate", [0.0, 0.001, 0.06])
+def test_a_steady_descent_at_any_rate_never_fires(rate: float) -> None:
+    # 0.06 decades per step fired the old absolute threshold on every step.
+    assert max(loss_signals(descent(2000, rate, noise=0.05))) == 0.0
 
 
-def test_loss_trend_signal_drops_as_soon_as_the_slope_flattens() -> None:
-    trend = LossTrend(LossSignalPolicy())
-    for t in range(30):
-        trend.update(10.0 ** (-0.1 * t))
-    assert trend.signal == 1.0
-    while abs(trend.slope) > 0.05:
-        trend.update(1e-3)
-    assert trend.signal == 0.0
+def test_the_loss_signal_is_the_same_at_any_loss_scale() -> None:
+    losses = descent(300, 0.002, noise=0.05)
+    losses[200] *= 1.5  # a spike of +50 %
+    reference = loss_signals(losses)
+    for scale in (1e-4, 1e-2, 100.0, 1e4):
+        scaled = loss_signals([loss * scale for loss in losses])
+        assert scaled == pytest.approx(reference, abs=1e-6)
+    assert reference[200] == 1.0
 
 
-def test_loss_plateau_with_one_percent_noise_never_fires() -> None:
-    trend = LossTrend(LossSignalPolicy())
-    max_slope = 0.0
-    for loss in plateau(10_000):
-        trend.update(loss)
-        assert trend.signal == 0.0
-        max_slope = max(max_slope, abs(trend.slope))
-    assert max_slope < 0.005  # log10(1.01) ≈ 0.0043 bounds each step, the EWMA damps it
+def test_the_loss_signal_grades_with_the_size_of_the_jump() -> None:
+    # Noise ±5 %: the slope's MAD sets the scale; larger jumps give larger z, capped at 1.
+    graded_values = []
+    for jump in [1.0 + 0.02 * k for k in range(51)]:
+        losses = descent(200, 0.001, noise=0.05)
+        losses[150] *= jump
+        graded_values.append(loss_signals(losses)[150])
+    assert graded_values[0] == 0.0 and graded_values[-1] == 1.0
+    assert graded_values == sorted(graded_values)
+    assert any(0.0 < value < 1.0 for value in graded_values)  # graded, not 0/1
 
 
-def test_loss_plateau_worst_case_alternating_wiggle_never_fires() -> None:
-    trend = LossTrend(LossSignalPolicy())
-    for t in range(10_000):
-        trend.update(1e-4 * (1.01 if t % 2 else 0.99))
-        assert trend.signal == 0.0
+def test_a_sudden_drop_and_a_plateau_breaking_fire_too() -> None:
+    drop = descent(200, 0.0, noise=0.02)
+    drop[150:] = [loss * 0.5 for loss in drop[150:]]  # a learning-rate step, say
+    assert loss_signals(drop)[150] == 1.0
+    breaking = descent(150, 0.0, noise=0.02) + [
+        10.0 ** (-0.02 * step) for step in range(1, 51)
+    ]
+    assert max(loss_signals(breaking)[150:156]) > 0.5
 
 
-def test_loss_trend_rejects_a_negative_loss() -> None:
+def test_the_loss_signal_follows_the_robust_z_formula() -> None:
+    policy = LossSignalPolicy(window=2, history=4, z_low=1.0, z_high=3.0, slope_threshold=0.0)
+    change = LossChange(policy)
+    xs = [0.0, 0.0, 0.1, 0.0, 0.2, 0.0, 0.1]  # log10 losses
+    for x in xs:
+        change.update(10.0**x - LOSS_EPSILON)
+    # Slopes (x_t − median of the 2 before) / 1.5: 0.1/1.5, −0.05/1.5, 0.15/1.5, −0.1/1.5,
+    # then the judged one 0.0 − ... : recompute here from the definition.
+    slopes = []
+    for t in range(2, len(xs)):
+        slopes.append((xs[t] - statistics.median(xs[t - 2 : t])) / 1.5)
+    history, last = slopes[:-1], slopes[-1]
+    middle = statistics.median(history)
+    mad = statistics.median(abs(s - middle) for s in history)
+    expected_z = (last - middle) / (1.4826 * mad)
+    assert change.z == pytest.approx(expected_z, rel=1e-9)
+    assert change.signal == pytest.approx(min(1.0, max(0.0, (abs(expected_z) - 1.0) / 2.0)))
+
+
+def test_a_flat_loss_moves_within_slope_threshold_without_firing() -> None:
+    # MAD 0 on a perfectly flat loss: rounding-size moves stay under slope_threshold.
+    losses = [2.0] * 50 + [2.0 * (1 + 1e-6), 2.0, 2.0 * (1 - 1e-6)] + [2.0] * 10
+    assert max(loss_signals(losses)) == 0.0
+    assert loss_signals([2.0] * 50 + [3.0])[-1] == 1.0  # a real move after it does
+
+
+def test_a_negative_loss_is_rejected() -> None:
     with pytest.raises(ValueError, match="loss must be >= 0"):
-        LossTrend(LossSignalPolicy()).update(-0.5)
+        LossChange(LossSignalPolicy()).update(-0.5)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_loss_trend_refuses_non_finite_without_touching_state(bad: float) -> None:
-    trend = LossTrend(LossSignalPolicy())
-    for t in range(8):
-        trend.update(10.0 ** (-0.1 * t))
-    before = (trend.slope, trend.signal)
-    assert trend.update(bad) is False
-    assert (trend.slope, trend.signal) == before
+def test_a_non_finite_loss_is_the_strongest_signal_and_leaves_the_windows(bad: float) -> None:
+    losses = descent(100, 0.002, noise=0.05)
+    clean = LossChange(LossSignalPolicy())
+    poisoned = LossChange(LossSignalPolicy())
+    for index, loss in enumerate(losses):
+        clean.update(loss)
+        if index in (40, 41, 80):
+            assert poisoned.update(bad) is False
+            assert poisoned.signal == 1.0
+        poisoned.update(loss)
+        assert (poisoned.z, poisoned.signal) == (clean.z, clean.signal)
 
 
 # -- gradient activity --------------------------------------------------------------------
 
 
-def noisy_norms(count: int, seed: int = 1) -> list[float]:
+def grad_signals(norms: list[float], policy: GradSignalPolicy | None = None) -> list[float]:
+    grad = GradActivity(GradSignalPolicy() if policy is None else policy)
+    out = []
+    for norm in norms:
+        grad.update(norm)
+        out.append(grad.signal)
+    return out
+
+
+def noisy_norms(count: int, level: float, noise: float, seed: int = 0) -> list[float]:
     rng = random.Random(seed)
-    return [1.0 + rng.gauss(0.0, 0.01) for _ in range(count)]
+    return [level * math.exp(rng.gauss(0.0, noise)) for _ in range(count)]
 
 
-@pytest.mark.parametrize("probes", [3, 7, 50, 51, 77, 100, 1234])
-def test_grad_window_moments_match_the_last_window_probes(probes: int) -> None:
-    grad = GradActivity(GradSignalPolicy())
-    values = [v * (1 + (i % 7)) for i, v in enumerate(noisy_norms(probes))]
-    for value in values:
-        grad.update(value)
-    window = values[-50:]
-    assert grad.probes == len(window)
-    assert grad.mean == pytest.approx(statistics.fmean(window), rel=1e-12)
-    assert grad.std == pytest.approx(statistics.pstdev(window), rel=1e-9)
+def test_grad_noise_of_any_size_around_any_level_stays_quiet() -> None:
+    for level in (0.003, 0.3, 300.0):
+        for noise in (0.01, 0.5):
+            assert max(grad_signals(noisy_norms(500, level, noise))) < 0.2
+
+
+def test_a_grad_outlier_is_graded_between_the_bands() -> None:
+    base = noisy_norms(40, 1.0, 0.1)
+    window = [math.log10(n) for n in base[-32:]]
+    middle = statistics.median(window)
+    sigma = 1.4826 * statistics.median(abs(y - middle) for y in window)
+    values = []
+    for z in (4.0, 7.5, 11.0):
+        values.append(grad_signals([*base, 10.0 ** (middle + z * sigma)])[-1])
+    assert values[0] == 0.0  # under z_low = 5 (and the growth CUSUM stays under 5)
+    assert values[1] == pytest.approx(0.5, abs=1e-9)
+    assert values[2] == 1.0
+
+
+def test_a_grad_norm_far_below_its_median_does_not_fire() -> None:
+    assert grad_signals([*noisy_norms(40, 1.0, 0.1), 1e-4])[-1] == 0.0
+
+
+def test_sustained_grad_growth_fires_before_any_probe_leaves_the_band() -> None:
+    rng = random.Random(3)
+    base = noisy_norms(40, 1.0, 0.1)
+    growth = GradActivity(GradSignalPolicy())
+    for norm in base:
+        growth.update(norm)
+    zs = []
+    level = 1.0
+    while growth.signal <= 0.5:
+        level *= 1.06  # +6 % per probe, well inside the noise band each time
+        growth.update(level * math.exp(rng.gauss(0.0, 0.02)))
+        zs.append(growth.z)
+        assert len(zs) < 30
+    assert max(zs) < 5.0  # no single probe reached z_low
+
+
+def test_a_grad_level_shift_becomes_the_new_normal() -> None:
+    norms = noisy_norms(60, 1.0, 0.1) + noisy_norms(100, 20.0, 0.1, seed=1)
+    out = grad_signals(norms)
+    assert out[60] == 1.0
+    assert max(out[-40:]) == 0.0
 
 
 def test_grad_window_memory_is_fixed() -> None:
     grad = GradActivity(GradSignalPolicy(window=8))
-    for value in noisy_norms(1000):
-        grad.update(value)
-    assert len(grad._ring) == 8
+    for norm in noisy_norms(1000, 1.0, 0.1):
+        grad.update(norm)
     assert grad.probes == 8
 
 
-def test_single_grad_spike_does_not_fire_two_consecutive_do() -> None:
+def test_a_non_finite_or_negative_grad_norm_is_refused() -> None:
     grad = GradActivity(GradSignalPolicy())
-    for value in noisy_norms(60):
-        grad.update(value)
-    grad.update(2.0)  # one spike
-    assert grad.signal == 0.0
-    for value in noisy_norms(5, seed=2):
-        grad.update(value)
-        assert grad.signal == 0.0
-    grad.update(2.0)
-    assert grad.signal == 0.0  # first outlier probe of a pair
-    grad.update(2.0)
-    assert grad.signal == 1.0  # second consecutive outlier probe
-    grad.update(1.0)
-    assert grad.signal == 0.0
+    for norm in noisy_norms(20, 1.0, 0.1):
+        grad.update(norm)
+    before = (grad.z, grad.growth, grad.probes, grad.signal)
+    for bad in (math.nan, math.inf, -math.inf):
+        assert grad.update(bad) is False
+    assert (grad.z, grad.growth, grad.probes, grad.signal) == before
+    with pytest.raises(ValueError, match="grad_norm must be >= 0"):
+        grad.update(-1.0)
 
 
-def test_grad_probe_is_judged_against_the_window_before_it() -> None:
-    # Against the window [1, 1, 1, 1, 1] (σ = 0), 3 is an outlier; had it been added first,
-    # μ = 4/3, σ ≈ 0.75 and |3 − μ| ≈ 1.67 < 3σ ≈ 2.24 would not be.
-    grad = GradActivity(GradSignalPolicy(consecutive=1))
-    for _ in range(5):
-        grad.update(1.0)
-    grad.update(3.0)
-    assert grad.signal == 1.0
+# -- hazard -------------------------------------------------------------------------------
 
 
-def test_grad_needs_five_probes_before_judging() -> None:
-    grad = GradActivity(GradSignalPolicy(consecutive=1))
-    for value in (1.0, 1.0, 1.0, 1.0, 100.0):
-        grad.update(value)
-        assert grad.signal == 0.0
+def test_hazard_falls_from_one_to_zero_over_its_window_and_restarts() -> None:
+    hazard = Hazard(4)
+    assert hazard.update(1, False) == 0.0
+    assert [hazard.update(step, step == 10) for step in range(10, 16)] == [
+        1.0, 0.75, 0.5, 0.25, 0.0, 0.0,
+    ]
+    assert hazard.update(20, True) == 1.0 and hazard.update(21, False) == 0.75
+    assert Hazard(0).update(5, True) == 0.0  # off
 
 
-def test_grad_outlier_also_needs_min_relative_change() -> None:
-    # σ is tiny, so 1.05 is far outside μ ± 3σ, but only 5 % from μ (< min_rel_change 10 %).
-    grad = GradActivity(GradSignalPolicy(consecutive=1))
-    for value in noisy_norms(50, seed=3):
-        grad.update(1.0 + (value - 1.0) * 0.01)
-    grad.update(1.05)
-    assert grad.signal == 0.0
-    grad.update(1.2)
-    assert grad.signal == 1.0
+def test_a_precursor_raises_the_system_signal_for_the_hazard_window() -> None:
+    policy = SchedulerPolicy(system=SystemSignalPolicy(hazard_window_steps=20))
+    scheduler = AdaptiveCheckpointScheduler(policy)
+    for step in range(1, 60):
+        assert scheduler.measure(step, 1.0)["system"] == 0.0
+    spike = scheduler.measure(60, 5.0)
+    assert spike["loss"] == 1.0 and spike["system"] == 1.0
+    after = [scheduler.measure(step, 1.0)["system"] for step in range(61, 82)]
+    assert after[0] == pytest.approx(0.95) and after[9] == pytest.approx(0.5)
+    assert after[19:] == [0.0, 0.0]
+    assert scheduler.measure(82, 1.0, system=SystemHealth(signal=0.3))["system"] == 0.3
 
 
-def test_grad_level_shift_becomes_the_new_normal() -> None:
-    grad = GradActivity(GradSignalPolicy())
-    for value in noisy_norms(50):
-        grad.update(value)
-    history = []
-    for value in noisy_norms(40, seed=9):
-        grad.update(value + 1.0)  # the norm doubles and stays there
-        history.append(grad.signal)
-    assert history[1] == 1.0
-    assert history[-10:] == [0.0] * 10
-
-
-def test_grad_refuses_non_finite_without_touching_state() -> None:
-    grad = GradActivity(GradSignalPolicy())
-    for value in noisy_norms(20):
-        grad.update(value)
-    before = (grad.mean, grad.std, grad.probes, grad.signal)
-    assert grad.update(math.inf) is False
-    assert grad.update(math.nan) is False
-    assert (grad.mean, grad.std, grad.probes, grad.signal) == before
+def test_a_non_finite_loss_is_a_loss_signal_of_one_and_starts_the_hazard() -> None:
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
+    for step in range(1, 50):
+        scheduler.measure(step, 1.0)
+    measured = scheduler.measure(50, math.nan)
+    assert (measured["loss"], measured["system"], measured["non_finite"]) == (1.0, 1.0, 1.0)
+    following = scheduler.decide(51, 1.0)
+    assert following.signals["loss"] == 0.0
+    assert following.signals["system"] == pytest.approx(0.99)
+    assert following.interval == 75  # round(100 · (1 − 0.25 · 0.99))
 
 
 # -- scheduler: intervals -----------------------------------------------------------------
 
 
-def test_fast_descent_shortens_the_interval_to_base_times_0_6() -> None:
-    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
-    # 0.06 decade per step: the EWMA slope passes 0.05 at step 10, the signal fires at 12.
-    decisions = [scheduler.decide(step, 100 * 10.0 ** (-0.06 * step)) for step in range(1, 131)]
-    assert [d.signals["loss"] for d in decisions[:11]] == [0.0] * 11
-    steep = decisions[11:]
-    assert all(d.signals["loss"] == 1.0 for d in steep)
-    assert all(d.score == pytest.approx(0.4) for d in steep)
-    assert {d.interval for d in steep} == {60}  # round(100 · (1 − 0.4))
-    assert decisions[0].interval == 100
-    assert saved_steps(decisions) == [60, 120]
+def test_a_sudden_drop_shortens_the_interval_and_a_steady_descent_does_not() -> None:
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_threshold=1.0))
+    losses = descent(130, 0.06, noise=0.0)
+    losses[80:] = [loss * 0.1 for loss in losses[80:]]  # one decade down at step 81
+    decisions = [scheduler.decide(step, loss) for step, loss in enumerate(losses, 1)]
+    assert {d.interval for d in decisions[:80]} == {100}
+    assert decisions[80].signals["loss"] == 1.0
+    assert decisions[80].interval == 35  # round(100 · (1 − 0.4 − 0.25)): loss 1, hazard 1
+    assert saved_steps(decisions)[0] == 81  # 81 steps since the start >= 35
 
 
 def test_plateau_saves_exactly_every_base_interval_for_10000_steps() -> None:
@@ -421,8 +477,10 @@ def descent_with_spikes(step: int) -> tuple[float, float | None]:
 def test_nan_and_inf_do_not_poison_the_trackers() -> None:
     poisoned_steps = {50, 333, 334, 700}
     inf_probe_steps = {400, 910}
-    with_bad = AdaptiveCheckpointScheduler(SchedulerPolicy())
-    without = AdaptiveCheckpointScheduler(SchedulerPolicy())
+    # No hazard: it rightly remembers the NaN steps, which the clean twin never saw.
+    policy = SchedulerPolicy(system=SystemSignalPolicy(hazard_window_steps=0))
+    with_bad = AdaptiveCheckpointScheduler(policy)
+    without = AdaptiveCheckpointScheduler(policy)
     compared = []
     for step in range(1, 1501):
         loss, grad = descent_with_spikes(step)

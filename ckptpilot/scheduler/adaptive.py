@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from ckptpilot.policy import RetentionPolicy, SchedulerPolicy
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass, SystemHealth
 from ckptpilot.scheduler.ledger import daly_interval
-from ckptpilot.scheduler.signals import GradActivity, LossTrend
+from ckptpilot.scheduler.signals import PRECURSOR_SIGNAL, GradActivity, Hazard, LossChange
 
 __all__ = ["MAX_SCORE_REDUCTION", "SIGNAL_KEYS", "AdaptiveCheckpointScheduler"]
 
@@ -71,7 +71,10 @@ class AdaptiveCheckpointScheduler:
       Emergency organs (and organs passed to :meth:`note_save`) restart that count: an organ
       is a fresh self-contained base, and ``organ_every`` bounds the saves since the last one.
     * A non-finite loss or grad norm (on any rank) gives ``save=False, non_finite=True`` and
-      changes no bookkeeping; the trackers never saw the value (see ``signals.py``).
+      changes no bookkeeping, the trigger's arming included: the pilot never saves a
+      non-finite state. The trackers never saw the value (see ``signals.py``), but the loss
+      signal is 1 for that step and the hazard window starts, so the interval shortens for
+      the finite steps that follow.
     * Retention class from the score at save time: ≥ ``critical_score`` critical,
       ≥ ``important_score`` important, else routine; emergency saves are critical.
     """
@@ -79,8 +82,9 @@ class AdaptiveCheckpointScheduler:
     def __init__(self, policy: SchedulerPolicy, retention: RetentionPolicy | None = None) -> None:
         self.policy = policy
         self.retention = RetentionPolicy() if retention is None else retention
-        self._loss = LossTrend(policy.loss)
+        self._loss = LossChange(policy.loss)
         self._grad = GradActivity(policy.grad)
+        self._hazard = Hazard(policy.system.hazard_window_steps)
         weights = policy.weights
         self._w_loss, self._w_grad, self._w_system = weights.loss, weights.grad, weights.system
         self._base = policy.base_interval
@@ -171,11 +175,14 @@ class AdaptiveCheckpointScheduler:
 
         ``grad_norm`` is a probe: pass it only on the steps where it was measured (every
         ``grad.probe_every`` optimizer steps), ``None`` otherwise. ``system=None`` means no
-        health reading: system signal 0 and the hard-error count of the last reading.
-        The result maps :data:`SIGNAL_KEYS` to floats: ``loss``/``grad``/``system`` in
-        [0, 1], ``hard_errors`` the hard errors not yet acted on by an emergency save,
-        ``non_finite`` 1.0 when the loss or grad norm was NaN or infinite (it was then kept
-        out of the trackers).
+        health reading: the system signal is the hazard alone, and the hard-error count is
+        the last reading's. The result maps :data:`SIGNAL_KEYS` to floats: ``loss``/``grad``/
+        ``system`` in [0, 1], ``hard_errors`` the hard errors not yet acted on by an
+        emergency save, ``non_finite`` 1.0 when the loss or grad norm was NaN or infinite (it
+        was then kept out of the trackers; a non-finite loss is a loss signal of 1).
+        ``system`` is the larger of the health reading's signal and the hazard: a precursor
+        (a signal at or above 0.5, or a non-finite value) at this step or within the last
+        ``system.hazard_window_steps`` steps.
         """
         problem = None
         if loss is not None and not self._loss.update(loss):
@@ -185,17 +192,22 @@ class AdaptiveCheckpointScheduler:
             problem = grad_problem if problem is None else f"{problem} and {grad_problem}"
         if problem is not None:
             self._non_finite_note = (step, problem)
-        if system is None:
-            system_signal = 0.0
-        else:
-            system_signal = system.signal
+        loss_signal = self._loss.signal
+        grad_signal = self._grad.signal
+        health_signal = 0.0
+        if system is not None:
+            health_signal = _unit(system.signal)
             self._hard_errors_reading = system.hard_errors
             # A reading below the reference means the probe restarted: start from it.
             self._hard_errors_acted_on = min(self._hard_errors_acted_on, system.hard_errors)
+        precursor = problem is not None or (
+            max(loss_signal, grad_signal, health_signal) >= PRECURSOR_SIGNAL
+        )
+        hazard = self._hazard.update(step, precursor)
         return {
-            "loss": self._loss.signal,
-            "grad": self._grad.signal,
-            "system": system_signal,
+            "loss": loss_signal,
+            "grad": grad_signal,
+            "system": max(health_signal, hazard),
             "hard_errors": float(self._hard_errors_reading - self._hard_errors_acted_on),
             "non_finite": 0.0 if problem is None else 1.0,
         }

@@ -1,13 +1,22 @@
-"""The two training-dynamics signals of the adaptive scheduler (SPEC §4.1, §4.2).
+"""The training-dynamics signals of the adaptive scheduler, and its hazard window (SPEC §4.1, §4.2).
 
-This module owns :class:`LossTrend` and :class:`GradActivity`: small stateful trackers that
-turn a stream of losses and gradient-norm probes into a signal in {0, 1}. Each keeps O(1)
-state (a few floats, or one fixed-size ring buffer), so memory never grows with the run.
+This module owns :class:`LossChange`, :class:`GradActivity` and :class:`Hazard`: small stateful
+trackers that turn a stream of losses, gradient-norm probes and precursor events into graded
+signals in [0, 1]. Each keeps O(window) state in fixed-size rings, so memory never grows with
+the run, and each step costs a sort of one small window.
+
+Why the signals are scale-free: both trackers work on the log of their input and judge each
+new value by a robust z-score against the tracker's *own* recent history (median and MAD of a
+rolling window). Multiplying every loss (or every grad norm) by any constant c shifts all logs
+by log10(c); medians shift with them, deviations and MADs do not, so every z-score, hence every
+signal, is unchanged. One policy therefore fits a loss of 8 and of 0.01, a grad norm of 0.3
+and of 300; the only absolute constant left, ``loss.slope_threshold``, is in decades per step,
+a relative change, and only keeps rounding noise on a perfectly flat loss (MAD 0) quiet.
 
 It must not do I/O, read a clock, import numpy or torch, or decide anything about saving:
-the scheduler (``adaptive.py``) combines the signals. A non-finite input (NaN, ±inf) is
-refused — ``update`` returns False and the state is left exactly as it was — so one bad step
-never poisons the EWMA or the window; reporting it is the caller's job.
+the scheduler (``adaptive.py``) combines the signals. A non-finite input (NaN, ±inf) never
+enters a window: for the loss it is divergence, the strongest signal (1.0) for that step; for
+a grad norm it is refused (``update`` returns False). Reporting either is the caller's job.
 
 Threading: a tracker belongs to one thread (the training thread, through the scheduler).
 """
@@ -18,76 +27,166 @@ import math
 
 from ckptpilot.policy import GradSignalPolicy, LossSignalPolicy
 
-__all__ = ["GRAD_MIN_PROBES", "LOSS_EPSILON", "GradActivity", "LossTrend"]
+__all__ = [
+    "LOSS_EPSILON",
+    "MAD_TO_SIGMA",
+    "MIN_HISTORY",
+    "PRECURSOR_SIGNAL",
+    "GradActivity",
+    "Hazard",
+    "LossChange",
+    "graded",
+]
 
 LOSS_EPSILON = 1e-8
 """Added before the log so that a loss of exactly 0 stays finite: x = log10(loss + 1e-8)."""
 
-GRAD_MIN_PROBES = 5
-"""Probes the window must hold (or the whole window, if smaller) before a probe is judged."""
+GRAD_EPSILON = 1e-30
+"""Added before the log so that a grad norm of exactly 0 (a frozen model) stays finite."""
+
+MAD_TO_SIGMA = 1.4826
+"""MAD × 1.4826 estimates σ for Gaussian noise: the robust z-score reads like a plain one."""
+
+MIN_HISTORY = 8
+"""Values a window must hold (or all of it, if smaller) before a new value is judged."""
+
+PRECURSOR_SIGNAL = 0.5
+"""A loss, grad or system signal at or above this is a precursor for :class:`Hazard`."""
 
 
-class LossTrend:
-    """Fast-change detector on the log10 loss (SPEC §4.1).
+def graded(z: float, low: float, high: float) -> float:
+    """0 at or below ``low``, 1 at or above ``high``, linear between: a band, not a switch."""
+    if z <= low:
+        return 0.0
+    if z >= high:
+        return 1.0
+    return (z - low) / (high - low)
 
-    x_t = log10(loss_t + 1e-8); slope_t = a·(x_t − x_{t−1}) + (1 − a)·slope_{t−1}. The signal
-    is 1 while |slope| has exceeded ``slope_threshold`` on at least ``consecutive``
-    consecutive accepted steps, else 0. Working on log10 makes the threshold a rate in
-    decades per step, so a plateau at 1e-4 with ±1 % noise moves x by at most ~0.004 per step
-    — far under 0.05 — and never fires, while an early descent by decades does.
 
-    The recursion needs only x_{t−1}, the slope and the run length, so no loss history is
-    kept and ``loss.window`` (the seed's buffer length, a horizon of roughly 1/a steps) does
-    not change the result. The first accepted loss only seeds x_{t−1}; the slope starts at 0.
+class _Window:
+    """The last ``size`` values in a ring, with their median and MAD on demand."""
+
+    def __init__(self, size: int) -> None:
+        self._values: list[float] = []
+        self._size = size
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def push(self, value: float) -> None:
+        if len(self._values) < self._size:
+            self._values.append(value)
+        else:
+            self._values[self._next] = value
+            self._next = (self._next + 1) % self._size
+
+    def median(self) -> float:
+        return _median(sorted(self._values))
+
+    def median_mad(self) -> tuple[float, float]:
+        middle = _median(sorted(self._values))
+        return middle, _median(sorted([abs(value - middle) for value in self._values]))
+
+
+def _median(ordered: list[float]) -> float:
+    half = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[half]
+    return 0.5 * (ordered[half - 1] + ordered[half])
+
+
+def _robust_z(value: float, middle: float, mad: float, floor: float) -> float:
+    """(value − median) / (1.4826·MAD); 0 when the deviation is within ``floor``.
+
+    A deviation beyond the floor over a MAD of 0 (a window of identical values) is infinite:
+    anything that moves after a perfectly flat stretch is a change.
+    """
+    deviation = value - middle
+    if abs(deviation) <= floor:
+        return 0.0
+    scale = MAD_TO_SIGMA * mad
+    if scale > 0.0:
+        return deviation / scale
+    return math.copysign(math.inf, deviation)
+
+
+class LossChange:
+    """Regime-change detector on the log10 loss (SPEC §4.1).
+
+    Per accepted loss: x_t = log10(loss_t + 1e-8); the short-window slope
+    s_t = (x_t − median(x_{t−w}, …, x_{t−1})) / ((w + 1) / 2), in decades per step (the median
+    of the last ``w = loss.window`` values sits, for a straight line, (w + 1)/2 steps back);
+    z_t = (s_t − median(S)) / (1.4826·MAD(S)) over the last ``loss.history`` slopes S before
+    it; signal = :func:`graded`(|z_t|, ``z_low``, ``z_high``). A deviation of the slope from
+    its median of at most ``slope_threshold`` decades per step counts as z = 0.
+
+    A steady descent, at any rate and with noise of any size, keeps its slope near the
+    slope's own median, within its own MAD: quiet. A spike up, a sudden drop, a plateau that
+    starts to fall, a run that starts climbing: the slope leaves its recent distribution, in
+    either direction, and the signal rises at once, graded by how far. A lasting new regime
+    becomes the history within ``history`` steps and the signal falls back.
+
+    A non-finite loss is divergence: the signal is 1.0 for that step and the windows are left
+    exactly as they were; the next finite loss is judged against them again. Nothing is judged
+    until ``window`` losses and min(``history``, 8) slopes are in.
     """
 
     def __init__(self, policy: LossSignalPolicy) -> None:
-        self._alpha = policy.ewma_alpha
-        self._threshold = policy.slope_threshold
-        self._consecutive = policy.consecutive
-        self._previous_x: float | None = None
-        self._slope = 0.0
-        self._run = 0
+        self._window = policy.window
+        self._lag = (policy.window + 1) / 2.0
+        self._z_low = policy.z_low
+        self._z_high = policy.z_high
+        self._floor = policy.slope_threshold
+        self._levels = _Window(policy.window)
+        self._slopes = _Window(policy.history)
+        self._min_slopes = min(policy.history, MIN_HISTORY)
+        self._z = 0.0
+        self._signal = 0.0
 
     @property
-    def slope(self) -> float:
-        """The current EWMA slope of log10(loss), in decades per step."""
-        return self._slope
+    def z(self) -> float:
+        """Robust z-score of the last accepted slope (signed; 0.0 until judged)."""
+        return self._z
 
     @property
     def signal(self) -> float:
-        """1.0 during a fast-change phase, else 0.0."""
-        return 1.0 if self._run >= self._consecutive else 0.0
+        """The graded signal in [0, 1] of the last loss fed (1.0 after a non-finite one)."""
+        return self._signal
 
     def update(self, loss: float) -> bool:
-        """Feed one step's loss; False (state untouched) when it is NaN or infinite.
+        """Feed one step's loss; False for a NaN or infinite loss (signal 1, windows untouched).
 
         Raises ``ValueError`` for a negative loss: its log is undefined, and clamping it would
-        invent a trend. Pass a non-negative training objective (cross-entropy, MSE …).
+        invent a change. Pass a non-negative training objective (cross-entropy, MSE …).
         """
         value = float(loss)
         if not math.isfinite(value):
+            self._signal = 1.0
             return False
         if value < 0.0:
             raise ValueError(
-                f"loss must be >= 0 for the log10 loss-trend signal, got {value!r}; "
+                f"loss must be >= 0 for the log10 loss-change signal, got {value!r}; "
                 "pass a non-negative objective to observe()"
             )
         x = math.log10(value + LOSS_EPSILON)
-        if self._previous_x is not None:
-            alpha = self._alpha
-            self._slope = alpha * (x - self._previous_x) + (1.0 - alpha) * self._slope
-        self._previous_x = x
-        if abs(self._slope) > self._threshold:
-            # Capped: the run only needs to reach ``consecutive``.
-            self._run = min(self._run + 1, self._consecutive)
+        if len(self._levels) < self._window:
+            self._levels.push(x)
+            return True
+        slope = (x - self._levels.median()) / self._lag
+        self._levels.push(x)
+        if len(self._slopes) >= self._min_slopes:
+            middle, mad = self._slopes.median_mad()
+            self._z = _robust_z(slope, middle, mad, self._floor)
+            self._signal = graded(abs(self._z), self._z_low, self._z_high)
         else:
-            self._run = 0
+            self._signal = 0.0
+        self._slopes.push(slope)
         return True
 
 
 class GradActivity:
-    """Outlier detector on the global gradient norm, fed one value per probe (SPEC §4.2).
+    """Deviation and growth detector on the global gradient norm, one value per probe (§4.2).
 
     Every value passed to :meth:`update` is one probe: the caller measures the norm every
     ``grad.probe_every`` optimizer steps and hands it over once (the scheduler is given
@@ -95,90 +194,113 @@ class GradActivity:
     tracker correct when a restored run starts at a step that is not a multiple of
     ``probe_every``.
 
-    A probe g is an outlier when it lies outside [μ − kσ, μ + kσ] *and*
-    |g − μ| ≥ ``min_rel_change``·|μ|, where μ and σ (population standard deviation) describe
-    the last ``grad.window`` probes *before* g is added. Nothing is judged until the window
-    holds min(window, 5) probes. The signal is 1 while the last ``consecutive`` probes were
-    all outliers, else 0; it holds its value between probes.
+    Per probe: y = log10(g + 1e-30); z = (y − median(Y)) / (1.4826·MAD(Y)) over the last
+    ``grad.window`` probes Y before it. Two parts, and the signal is the larger:
 
-    Outliers do enter the window after being judged: a lasting change of regime (a new
-    learning-rate phase) then becomes the new normal within a few probes instead of holding
-    the signal at 1 forever. The price is that one spike widens σ for the next ``window``
-    probes; a second spike at the same height still stands out (k = 3, window 50).
+    * deviation: :func:`graded`(z, ``z_low``, ``z_high``), a norm far above its recent
+      median. Only upward: a norm far *below* it is a batch the model already fits, common
+      late in training when the loss is near 0 on many batches, and no sign of instability;
+    * growth: a one-sided CUSUM C = clamp(C + min(z, ``z_high``) − ``growth_allowance``,
+      0, ``growth_high``), graded between ``growth_low`` and ``growth_high``. Probes each a
+      little above the median, none outside the band, add up: sustained growth of the grad
+      norm, the usual precursor of a loss spike, raises the signal before any single probe is
+      an outlier. A probe near or below the median takes the allowance or more off C, so
+      noise around a steady level keeps C under ``growth_low``.
 
-    μ and σ are kept as O(1) running moments over a fixed ring buffer (sliding Welford
-    update); on every wrap of the ring they are recomputed exactly from the buffer, so
-    rounding error cannot accumulate over a weeks-long run (amortised O(1) per probe).
+    Every probe enters the window after being judged, so a lasting change of level becomes
+    the new normal within about ``window / 2`` probes. The signal holds its value between
+    probes. Nothing is judged until the window holds min(window, 8) probes.
     """
 
     def __init__(self, policy: GradSignalPolicy) -> None:
-        self._k = policy.k_sigma
-        self._min_rel = policy.min_rel_change
-        self._consecutive = policy.consecutive
-        self._size = policy.window
-        self._min_probes = min(policy.window, GRAD_MIN_PROBES)
-        self._ring = [0.0] * policy.window
-        self._next = 0
-        self._count = 0
-        self._mean = 0.0
-        self._m2 = 0.0
-        self._run = 0
-
-    @property
-    def mean(self) -> float:
-        """μ of the probes in the window (0.0 while empty)."""
-        return self._mean
-
-    @property
-    def std(self) -> float:
-        """σ (population) of the probes in the window (0.0 while empty)."""
-        return math.sqrt(self._m2 / self._count) if self._count else 0.0
+        self._z_low = policy.z_low
+        self._z_high = policy.z_high
+        self._allowance = policy.growth_allowance
+        self._growth_low = policy.growth_low
+        self._growth_high = policy.growth_high
+        self._window = _Window(policy.window)
+        self._min_probes = min(policy.window, MIN_HISTORY)
+        self._z = 0.0
+        self._cusum = 0.0
+        self._signal = 0.0
 
     @property
     def probes(self) -> int:
         """How many probes the window holds (at most ``grad.window``)."""
-        return self._count
+        return len(self._window)
+
+    @property
+    def z(self) -> float:
+        """Robust z-score of the last probe (signed; 0.0 until judged)."""
+        return self._z
+
+    @property
+    def growth(self) -> float:
+        """The growth CUSUM C, in robust σ beyond the allowance."""
+        return self._cusum
 
     @property
     def signal(self) -> float:
-        """1.0 after ``consecutive`` outlier probes in a row, else 0.0."""
-        return 1.0 if self._run >= self._consecutive else 0.0
+        """The graded signal in [0, 1], as of the last probe."""
+        return self._signal
 
     def update(self, grad_norm: float) -> bool:
-        """Feed one probe; False (state untouched) when it is NaN or infinite."""
+        """Feed one probe; False (state untouched) when it is NaN or infinite.
+
+        Raises ``ValueError`` for a negative value: a norm never is; pass the global L2 norm.
+        """
         value = float(grad_norm)
         if not math.isfinite(value):
             return False
-        if self._count >= self._min_probes:
-            mean = self._mean
-            band = self._k * math.sqrt(self._m2 / self._count)
-            distance = abs(value - mean)
-            if distance > band and distance >= self._min_rel * abs(mean):
-                self._run = min(self._run + 1, self._consecutive)
-            else:
-                self._run = 0
-        self._push(value)
+        if value < 0.0:
+            raise ValueError(
+                f"grad_norm must be >= 0 (a norm), got {value!r}; pass the global L2 norm "
+                "of the gradients"
+            )
+        y = math.log10(value + GRAD_EPSILON)
+        if len(self._window) >= self._min_probes:
+            middle, mad = self._window.median_mad()
+            z = _robust_z(y, middle, mad, 0.0)
+            self._z = z
+            # z capped at z_high: one probe, however far out (an infinite z after a flat
+            # window), adds a bounded amount; C capped at growth_high, where the signal is
+            # already 1, so a long climb is forgotten within a few probes once it stops.
+            cusum = self._cusum + min(z, self._z_high) - self._allowance
+            self._cusum = min(self._growth_high, max(0.0, cusum))
+            self._signal = max(
+                graded(z, self._z_low, self._z_high),
+                graded(self._cusum, self._growth_low, self._growth_high),
+            )
+        self._window.push(y)
         return True
 
-    def _push(self, value: float) -> None:
-        slot = self._next
-        if self._count < self._size:
-            self._count += 1
-            delta = value - self._mean
-            self._mean += delta / self._count
-            self._m2 += delta * (value - self._mean)
-        else:
-            old = self._ring[slot]
-            old_mean = self._mean
-            self._mean = old_mean + (value - old) / self._size
-            self._m2 = max(0.0, self._m2 + (value - old) * (value - self._mean + old - old_mean))
-        self._ring[slot] = value
-        self._next = (slot + 1) % self._size
-        if self._next == 0:
-            self._resync()
 
-    def _resync(self) -> None:
-        """Exact two-pass moments of the full ring, replacing the running ones."""
-        mean = math.fsum(self._ring) / self._size
-        self._mean = mean
-        self._m2 = math.fsum((value - mean) ** 2 for value in self._ring)
+class Hazard:
+    """How recently a precursor was seen, as a signal that decays over a window of steps.
+
+    A precursor (a loss, grad or system signal at or above :data:`PRECURSOR_SIGNAL`, or a
+    non-finite loss or grad norm) at step p sets the hazard to 1 − (t − p) / ``window_steps``
+    at step t ≥ p, so it reaches 0 ``window_steps`` after the last precursor; a newer precursor
+    restarts it. The scheduler folds it into the system signal: a run that just misbehaved
+    keeps a shorter interval for a while, even once the signal that fired has settled.
+    ``window_steps = 0`` turns the hazard off.
+    """
+
+    def __init__(self, window_steps: int) -> None:
+        self._window = window_steps
+        self._last: int | None = None
+
+    @property
+    def last_precursor_step(self) -> int | None:
+        """Step of the last precursor seen (None before any)."""
+        return self._last
+
+    def update(self, step: int, precursor: bool) -> float:
+        """Note whether ``step`` had a precursor; return the hazard in [0, 1] at ``step``."""
+        if self._window == 0:
+            return 0.0
+        if precursor:
+            self._last = step
+        if self._last is None or step < self._last:
+            return 0.0
+        return max(0.0, 1.0 - (step - self._last) / self._window)
