@@ -16,8 +16,10 @@ from ckptpilot.errors import (
 from ckptpilot.pilot import CheckpointPilot, RecoveryReport, RecoverySource, SaveRecord
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.sampler import ResumableSampler
+from ckptpilot.scheduler import AdaptiveCheckpointScheduler
 
 __all__ = [
+    "AdaptiveCheckpointScheduler",
     "CheckpointFormatError",
     "CheckpointPilot",
     "CheckpointWriteError",

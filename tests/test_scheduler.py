@@ -625,3 +625,15 @@ def test_extreme_but_valid_costs_never_raise(save: float, mtbf: float, step: flo
     scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
     scheduler.set_cost_model(save, mtbf, step)
     assert scheduler.policy.min_interval <= scheduler.base_interval <= 100
+
+
+def test_the_scheduler_is_importable_from_the_package_and_keeps_its_contract() -> None:
+    import ckptpilot
+    import ckptpilot.scheduler
+
+    assert ckptpilot.AdaptiveCheckpointScheduler is AdaptiveCheckpointScheduler
+    assert ckptpilot.scheduler.AdaptiveCheckpointScheduler is AdaptiveCheckpointScheduler
+    assert "AdaptiveCheckpointScheduler" in ckptpilot.__all__
+    decision = ckptpilot.AdaptiveCheckpointScheduler(SchedulerPolicy()).decide(1, 2.5)
+    assert isinstance(decision, CheckpointDecision)
+    assert (decision.step, decision.save, decision.interval) == (1, False, 100)
