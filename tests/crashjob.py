@@ -28,6 +28,7 @@ import safetensors.torch
 import torch
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
+from ckptpilot.fit.job import Net  # the same small real model `ckptpilot fit` trains
 from ckptpilot.storage import archive
 from ckptpilot.tiers.remote import RemoteTier
 
@@ -78,18 +79,6 @@ def _inject_kill_in_save(step: int, point: str) -> None:
             original_publish(self, staging, final)
 
         RemoteTier.publish = publish  # type: ignore[method-assign]
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(
-            torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
-            torch.nn.Dropout(0.2), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-            torch.nn.Dropout(0.2), torch.nn.Linear(64, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
 
 
 def main() -> None:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from ckptpilot.fit.peers import DaemonProcess
+
 ROOT = Path(__file__).resolve().parents[1]
-LISTENING = "ckptpilot peer listening on "
 
 
 def terminate(proc: subprocess.Popen[str]) -> int:
@@ -28,39 +27,11 @@ def terminate(proc: subprocess.Popen[str]) -> int:
     return proc.returncode
 
 
-class Daemon:
+class Daemon(DaemonProcess):
     """One daemon process; ``restart`` brings it back empty on the same port."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
-        self.log_path = log_path
-        self.args = args
-        self.port = 0
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def spawn(self) -> None:
-        cmd = [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *self.args]
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def wait_listening(self, timeout: float = 60.0) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline()
-                if line.startswith(LISTENING):
-                    self.port = int(line.strip().rsplit(":", 1)[1])
-                    return
-                if not line:
-                    break
-        raise RuntimeError(f"peer daemon did not start; its log:\n{self.log()}")
+    def wait_listening(self, timeout_seconds: float = 60.0) -> None:
+        super().wait_listening(timeout_seconds)
 
     def log(self) -> str:
         return self.log_path.read_text()

@@ -29,9 +29,13 @@ class PeerDaemonError(RuntimeError):
     """A daemon did not start; the message holds the end of its log."""
 
 
-class _Daemon:
-    def __init__(self, log_path: Path) -> None:
+class DaemonProcess:
+    """One ``ckptpilot peer serve`` process (``args`` after the host and port); ``spawn``
+    again after it died brings it back, empty, on the same port. The peer tests use it too."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
         self.log_path = log_path
+        self.args = args
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
 
@@ -41,15 +45,15 @@ class _Daemon:
 
     def spawn(self) -> None:
         cmd = [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--mem-limit", MEM_LIMIT]
+               "--port", str(self.port), *self.args]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                          stdin=subprocess.DEVNULL,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
-    def wait_listening(self) -> None:
+    def wait_listening(self, timeout_seconds: float = START_TIMEOUT_SECONDS) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
             if not ready:
@@ -89,7 +93,8 @@ class _Daemon:
 class PeerCluster:
     def __init__(self, log_dir: Path, count: int) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._daemons = [_Daemon(log_dir / f"peer{i}.log") for i in range(count)]
+        self._daemons = [DaemonProcess(log_dir / f"peer{i}.log", "--mem-limit", MEM_LIMIT)
+                         for i in range(count)]
         self._stopped: set[str] = set()
         try:
             self._start(self._daemons)
@@ -98,7 +103,7 @@ class PeerCluster:
             raise
 
     @staticmethod
-    def _start(daemons: list[_Daemon]) -> None:
+    def _start(daemons: list[DaemonProcess]) -> None:
         for d in daemons:
             d.spawn()
         for d in daemons:
@@ -108,7 +113,7 @@ class PeerCluster:
     def endpoints(self) -> list[str]:
         return [d.endpoint for d in self._daemons]
 
-    def _find(self, endpoint: str) -> _Daemon:
+    def _find(self, endpoint: str) -> DaemonProcess:
         for d in self._daemons:
             if d.endpoint == endpoint:
                 return d
