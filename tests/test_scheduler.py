@@ -148,6 +148,15 @@ def test_a_non_finite_loss_is_the_strongest_signal_and_leaves_the_windows(bad: f
         assert (poisoned.z, poisoned.signal) == (clean.z, clean.signal)
 
 
+def test_a_finite_loss_after_a_nan_in_the_first_steps_clears_the_signal() -> None:
+    change = LossChange(LossSignalPolicy())
+    change.update(2.0)
+    change.update(math.nan)
+    assert change.signal == 1.0
+    change.update(2.0)
+    assert change.signal == 0.0
+
+
 # -- gradient activity --------------------------------------------------------------------
 
 

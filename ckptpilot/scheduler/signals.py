@@ -172,6 +172,7 @@ class LossChange:
         x = math.log10(value + LOSS_EPSILON)
         if len(self._levels) < self._window:
             self._levels.push(x)
+            self._signal = 0.0
             return True
         slope = (x - self._levels.median()) / self._lag
         self._levels.push(x)
