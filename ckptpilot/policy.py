@@ -291,20 +291,26 @@ class LossSignalPolicy(_Section):
     """Loss-change signal: robust z-score of the short-window log10-loss slope (SPEC §4.1).
 
     ``window``: losses whose median the new one is compared with (the slope's window, steps);
-    ``history``: slopes whose median and MAD judge the new slope; the signal grows linearly
-    from 0 at |z| = ``z_low`` to 1 at ``z_high``; a slope within ``slope_threshold`` decades
-    per step of its median never counts (a relative change: it keeps a flat loss quiet).
+    ``history``: slopes whose median and MAD judge the new slope; a jump grows linearly from
+    0 at |z| = ``z_low`` to 1 at ``z_high``; drift is a two-sided CUSUM of z minus
+    ``drift_allowance`` per step, graded from 0 at ``drift_low`` to 1 at ``drift_high``; a
+    slope within ``slope_threshold`` decades per step of its median never counts (a relative
+    change: it keeps a flat loss quiet).
     """
 
     window: int = Field(8, ge=2, le=_MAX_SIGNAL_WINDOW)
     history: int = Field(32, ge=4, le=_MAX_SIGNAL_WINDOW)
     z_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
     z_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
+    drift_allowance: float = Field(1.5, ge=0, le=_MAX_RATIO)
+    drift_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
+    drift_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
     slope_threshold: float = Field(0.001, ge=0, le=_MAX_RATIO)
 
     @model_validator(mode="after")
     def _check_band(self) -> Self:
         _check_band("z_low", self.z_low, "z_high", self.z_high)
+        _check_band("drift_low", self.drift_low, "drift_high", self.drift_high)
         return self
 
 

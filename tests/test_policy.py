@@ -565,6 +565,8 @@ def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
          r"z_high \(6\) must be above z_low \(6\).*raise z_high"),
         ("scheduler:\n  grad: {z_low: 9, z_high: 4}", "scheduler.grad.z_high",
          r"z_high \(4\) must be above z_low \(9\)"),
+        ("scheduler:\n  loss: {drift_low: 10}", "scheduler.loss.drift_high",
+         r"drift_high \(10\) must be above drift_low \(10\)"),
         ("scheduler:\n  grad: {growth_low: 12}", "scheduler.grad.growth_high",
          r"growth_high \(10\) must be above growth_low \(12\).*raise growth_high"),
     ],
@@ -582,7 +584,8 @@ def test_the_new_signal_keys_load_from_yaml(tmp_path: Path) -> None:
         tmp_path,
         """\
         scheduler:
-          loss: {window: 4, history: 16, z_low: 3, z_high: 6.5, slope_threshold: 0}
+          loss: {window: 4, history: 16, z_low: 3, z_high: 6.5, slope_threshold: 0,
+                 drift_allowance: 1, drift_low: 2, drift_high: 4}
           grad: {window: 16, z_low: 2, z_high: 4, growth_allowance: 0.5, growth_low: 1,
                  growth_high: 2}
           system: {hazard_window_steps: 0}
@@ -590,6 +593,7 @@ def test_the_new_signal_keys_load_from_yaml(tmp_path: Path) -> None:
     )
     loss, grad = policy.scheduler.loss, policy.scheduler.grad
     assert (loss.window, loss.history, loss.z_low, loss.z_high) == (4, 16, 3.0, 6.5)
+    assert (loss.drift_allowance, loss.drift_low, loss.drift_high) == (1.0, 2.0, 4.0)
     assert (grad.growth_allowance, grad.growth_low, grad.growth_high) == (0.5, 1.0, 2.0)
     assert policy.scheduler.system.hazard_window_steps == 0
 

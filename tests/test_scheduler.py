@@ -67,8 +67,9 @@ def loss_signals(losses: list[float], policy: LossSignalPolicy | None = None) ->
 
 @pytest.mark.parametrize("rate", [0.0, 0.001, 0.06])
 def test_a_steady_descent_at_any_rate_never_fires(rate: float) -> None:
-    # 0.06 decades per step fired the old absolute threshold on every step.
-    assert max(loss_signals(descent(2000, rate, noise=0.05))) == 0.0
+    # 0.06 decades per step fired the old absolute threshold on every step; 400 steps of it
+    # fall 24 decades, still far above LOSS_EPSILON.
+    assert max(loss_signals(descent(400, rate, noise=0.05))) == 0.0
 
 
 def test_the_loss_signal_is_the_same_at_any_loss_scale() -> None:
@@ -101,6 +102,26 @@ def test_a_sudden_drop_and_a_plateau_breaking_fire_too() -> None:
         10.0 ** (-0.02 * step) for step in range(1, 51)
     ]
     assert max(loss_signals(breaking)[150:156]) > 0.5
+
+
+def test_a_descent_that_stops_fires_the_drift_part_before_any_single_jump_would() -> None:
+    rng = random.Random(0)
+    losses = descent(120, 0.02, noise=0.05)
+    losses += [losses[-1] * (1.0 + rng.uniform(-0.05, 0.05)) for _ in range(60)]
+    change = LossChange(LossSignalPolicy())
+    zs, drifts, out = [], [], []
+    for loss in losses:
+        change.update(loss)
+        zs.append(change.z)
+        drifts.append(change.drift)
+        out.append(change.signal)
+    assert max(out[:120]) == 0.0
+    fired = next(index for index, value in enumerate(out) if value > 0.5)
+    assert 120 <= fired <= 126
+    # The jump part alone, graded(|z|, 5, 10), would still be under 0.5 there.
+    assert max(abs(z) for z in zs[120 : fired + 1]) < 7.5
+    assert drifts[fired] > 5.0 * 1.5  # graded(C, 5, 10) > 0.5
+    assert max(out[-20:]) == 0.0  # the plateau is the new normal
 
 
 def test_the_loss_signal_follows_the_robust_z_formula() -> None:

@@ -83,6 +83,22 @@ def test_scaling_a_trace_leaves_every_signal_unchanged(name: str) -> None:
         assert scaled[1] == pytest.approx(reference[1], abs=1e-6)
 
 
+def test_the_demo_notices_its_fast_descent_ending() -> None:
+    # The demo: 5.75 to 2.5 in 40 steps, then a plateau. The fall itself has no
+    # history to stand out from; its end is a change of regime, and the drift part sees it.
+    losses, norms = load("demo")
+    loss_signal, _ = signals(losses, norms, probe_every=10)
+    assert max(loss_signal[:20]) == 0.0
+    assert max(loss_signal[20:50]) > 0.5
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(base_interval=40))
+    decisions = [
+        scheduler.decide(step, loss, norm if step % 10 == 0 else None)
+        for step, (loss, norm) in enumerate(zip(losses, norms, strict=True), 1)
+    ]
+    assert next(d.step for d in decisions if d.save) < 40
+    assert sum(d.score > 0 for d in decisions) > len(decisions) // 4
+
+
 @pytest.mark.parametrize("loss_scale", [0.01, 1.0, 100.0])
 def test_the_loss_signal_rises_above_half_within_two_steps_of_each_spike(
     loss_scale: float,

@@ -38,8 +38,11 @@ __all__ = [
     "graded",
 ]
 
-LOSS_EPSILON = 1e-8
-"""Added before the log so that a loss of exactly 0 stays finite: x = log10(loss + 1e-8)."""
+LOSS_EPSILON = 1e-30
+"""Added before the log so that a loss of exactly 0 stays finite: x = log10(loss + 1e-30).
+
+Far below any real loss, so that it shifts no log measurably: a larger one (1e-8) would make
+a loss of 1e-6 read differently from the same run scaled up, breaking scale-freeness."""
 
 GRAD_EPSILON = 1e-30
 """Added before the log so that a grad norm of exactly 0 (a frozen model) stays finite."""
@@ -114,18 +117,24 @@ def _robust_z(value: float, middle: float, mad: float, floor: float) -> float:
 class LossChange:
     """Regime-change detector on the log10 loss (SPEC §4.1).
 
-    Per accepted loss: x_t = log10(loss_t + 1e-8); the short-window slope
+    Per accepted loss: x_t = log10(loss_t + 1e-30); the short-window slope
     s_t = (x_t − median(x_{t−w}, …, x_{t−1})) / ((w + 1) / 2), in decades per step (the median
     of the last ``w = loss.window`` values sits, for a straight line, (w + 1)/2 steps back);
     z_t = (s_t − median(S)) / (1.4826·MAD(S)) over the last ``loss.history`` slopes S before
-    it; signal = :func:`graded`(|z_t|, ``z_low``, ``z_high``). A deviation of the slope from
-    its median of at most ``slope_threshold`` decades per step counts as z = 0.
+    it. A deviation of the slope from its median of at most ``slope_threshold`` decades per
+    step counts as z = 0. Two parts, and the signal is the larger:
+
+    * jump: :func:`graded`(|z_t|, ``z_low``, ``z_high``), one step far out of the recent
+      spread, either way: a spike up, a sudden drop;
+    * drift: a two-sided CUSUM, C± = clamp(C± ± z_t − ``drift_allowance``, 0,
+      ``drift_high``) with z_t capped at ±``z_high``, graded between ``drift_low`` and
+      ``drift_high``. Slopes each a little off their median the same way add up: a descent
+      that stops, a plateau that starts to fall, a run that starts climbing.
 
     A steady descent, at any rate and with noise of any size, keeps its slope near the
-    slope's own median, within its own MAD: quiet. A spike up, a sudden drop, a plateau that
-    starts to fall, a run that starts climbing: the slope leaves its recent distribution, in
-    either direction, and the signal rises at once, graded by how far. A lasting new regime
-    becomes the history within ``history`` steps and the signal falls back.
+    slope's own median, within its own MAD, and z changes sign often enough to keep C± under
+    ``drift_low``: quiet. A lasting new regime becomes the history within ``history`` steps
+    and the signal falls back.
 
     A non-finite loss is divergence: the signal is 1.0 for that step and the windows are left
     exactly as they were; the next finite loss is judged against them again. Nothing is judged
@@ -138,6 +147,11 @@ class LossChange:
         self._z_low = policy.z_low
         self._z_high = policy.z_high
         self._floor = policy.slope_threshold
+        self._drift_allowance = policy.drift_allowance
+        self._drift_low = policy.drift_low
+        self._drift_high = policy.drift_high
+        self._rising = 0.0
+        self._falling = 0.0
         self._levels = _Window(policy.window)
         self._slopes = _Window(policy.history)
         self._min_slopes = min(policy.history, MIN_HISTORY)
@@ -148,6 +162,11 @@ class LossChange:
     def z(self) -> float:
         """Robust z-score of the last accepted slope (signed; 0.0 until judged)."""
         return self._z
+
+    @property
+    def drift(self) -> float:
+        """The larger of the two drift CUSUMs C+ and C−, in robust σ beyond the allowance."""
+        return max(self._rising, self._falling)
 
     @property
     def signal(self) -> float:
@@ -178,8 +197,16 @@ class LossChange:
         self._levels.push(x)
         if len(self._slopes) >= self._min_slopes:
             middle, mad = self._slopes.median_mad()
-            self._z = _robust_z(slope, middle, mad, self._floor)
-            self._signal = graded(abs(self._z), self._z_low, self._z_high)
+            z = _robust_z(slope, middle, mad, self._floor)
+            self._z = z
+            capped = max(-self._z_high, min(z, self._z_high))
+            high, allowance = self._drift_high, self._drift_allowance
+            self._rising = min(high, max(0.0, self._rising + capped - allowance))
+            self._falling = min(high, max(0.0, self._falling - capped - allowance))
+            self._signal = max(
+                graded(abs(z), self._z_low, self._z_high),
+                graded(max(self._rising, self._falling), self._drift_low, high),
+            )
         else:
             self._signal = 0.0
         self._slopes.push(slope)
