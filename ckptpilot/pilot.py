@@ -238,6 +238,14 @@ def _codec_summary(staged: StagedArchive) -> str:
     return ",".join(f"{codec}:{n}" for codec, n in sorted(counts.items()))
 
 
+def _collective_device() -> torch.device:
+    """Where the pilot's small agreement tensors live: NCCL reduces only CUDA tensors; gloo,
+    and a group with a CPU backend beside NCCL (``cpu:gloo,cuda:nccl``), CPU ones."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -332,6 +340,8 @@ class CheckpointPilot:
             self._health.start()
         self._distributed = (self.world_size > 1 and torch.distributed.is_available()
                              and torch.distributed.is_initialized())
+        self._collective_device = (_collective_device() if self._distributed
+                                   else torch.device("cpu"))
         self._agree_buffer: torch.Tensor | None = None
         self._agree_work: Any = None
         self._stalls: deque[float] = deque(maxlen=16)
@@ -511,7 +521,8 @@ class CheckpointPilot:
         """One tiny non-blocking collective per step; consumed at the next step."""
         values = [local[k] for k in SIGNAL_KEYS]
         values += [-1.0 if costs[k] is None else float(costs[k]) for k in _COST_KEYS]  # type: ignore[arg-type]
-        self._agree_buffer = torch.tensor(values, dtype=torch.float64)
+        self._agree_buffer = torch.tensor(values, dtype=torch.float64,
+                                          device=self._collective_device)
         self._agree_work = torch.distributed.all_reduce(
             self._agree_buffer, op=torch.distributed.ReduceOp.MAX, async_op=True)
 
@@ -916,11 +927,10 @@ class CheckpointPilot:
         """The steps (newest first) that every rank has a source for: one all-gather of each
         rank's newest few candidates, so all ranks walk the same list. A rank whose planning
         raised sends a mark instead, and every rank raises."""
-        mine = torch.full((_AGREE_STEPS,), -1, dtype=torch.int64)
-        mine[:min(len(steps), _AGREE_STEPS)] = torch.tensor(steps[:_AGREE_STEPS],
-                                                            dtype=torch.int64)
+        local = (steps[:_AGREE_STEPS] + [-1] * _AGREE_STEPS)[:_AGREE_STEPS]
         if failure is not None:
-            mine[0] = _FAILED
+            local[0] = _FAILED
+        mine = torch.tensor(local, dtype=torch.int64, device=self._collective_device)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         torch.distributed.all_gather(every, mine)
         failed = [rank for rank, t in enumerate(every) if int(t[0]) == _FAILED]
@@ -931,7 +941,7 @@ class CheckpointPilot:
 
     def _vote(self, value: int) -> int:
         """The minimum over ranks of ``value`` (1 yes, 0 no, -1 this rank failed)."""
-        flag = torch.tensor([value], dtype=torch.int64)
+        flag = torch.tensor([value], dtype=torch.int64, device=self._collective_device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         return int(flag.item())
 
