@@ -667,3 +667,22 @@ def test_the_scheduler_is_importable_from_the_package_and_keeps_its_contract() -
     decision = ckptpilot.AdaptiveCheckpointScheduler(SchedulerPolicy()).decide(1, 2.5)
     assert isinstance(decision, CheckpointDecision)
     assert (decision.step, decision.save, decision.interval) == (1, False, 100)
+
+
+@pytest.mark.parametrize("window", [4, 5, 8, 31, 32])
+def test_grad_z_matches_the_median_mad_formula_on_random_probes_with_ties(window: int) -> None:
+    rng = random.Random(window)
+    grad = GradActivity(GradSignalPolicy(window=window))
+    history: list[float] = []
+    for _ in range(400):
+        norm = 10.0 ** rng.choice([rng.uniform(-1, 1), round(rng.uniform(-1, 1), 1), 0.0])
+        y = math.log10(norm + 1e-30)
+        grad.update(norm)
+        if len(history) >= min(window, 8):
+            last = history[-window:]
+            middle = statistics.median(last)
+            mad = statistics.median(abs(v - middle) for v in last)
+            expected = (y - middle) / (1.4826 * mad) if mad else math.copysign(math.inf, y - middle)
+            if y != middle:
+                assert grad.z == pytest.approx(expected, rel=1e-9)
+        history.append(y)

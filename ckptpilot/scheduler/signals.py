@@ -3,15 +3,16 @@
 This module owns :class:`LossChange`, :class:`GradActivity` and :class:`Hazard`: small stateful
 trackers that turn a stream of losses, gradient-norm probes and precursor events into graded
 signals in [0, 1]. Each keeps O(window) state in fixed-size rings, so memory never grows with
-the run, and each step costs a sort of one small window.
+the run; each step updates small sorted windows by bisection, with no sort.
 
 Why the signals are scale-free: both trackers work on the log of their input and judge each
 new value by a robust z-score against the tracker's *own* recent history (median and MAD of a
 rolling window). Multiplying every loss (or every grad norm) by any constant c shifts all logs
 by log10(c); medians shift with them, deviations and MADs do not, so every z-score, hence every
-signal, is unchanged. One policy therefore fits a loss of 8 and of 0.01, a grad norm of 0.3
-and of 300; the only absolute constant left, ``loss.slope_threshold``, is in decades per step,
-a relative change, and only keeps rounding noise on a perfectly flat loss (MAD 0) quiet.
+signal, is unchanged. One policy therefore fits a
+loss of 8 and of 0.01, a grad norm of 0.3 and of 300; the only absolute constant left,
+``loss.slope_threshold``, is in decades per step, a relative change, and only keeps rounding
+noise on a perfectly flat loss (MAD 0) quiet.
 
 It must not do I/O, read a clock, import numpy or torch, or decide anything about saving:
 the scheduler (``adaptive.py``) combines the signals. A non-finite input (NaN, ±inf) never
@@ -23,6 +24,7 @@ Threading: a tracker belongs to one thread (the training thread, through the sch
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from ckptpilot.policy import GradSignalPolicy, LossSignalPolicy
@@ -67,29 +69,70 @@ def graded(z: float, low: float, high: float) -> float:
 
 
 class _Window:
-    """The last ``size`` values in a ring, with their median and MAD on demand."""
+    """The last ``size`` values in a ring, and the same values kept sorted.
+
+    The sorted copy is updated by bisection on every push (one delete, one insert: memmoves
+    of a few hundred bytes), so the median is read in O(1) and the MAD in O(log n) steps.
+    """
 
     def __init__(self, size: int) -> None:
-        self._values: list[float] = []
+        self._ring: list[float] = []
+        self._sorted: list[float] = []
         self._size = size
         self._next = 0
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self._ring)
 
     def push(self, value: float) -> None:
-        if len(self._values) < self._size:
-            self._values.append(value)
+        ring = self._ring
+        if len(ring) < self._size:
+            ring.append(value)
         else:
-            self._values[self._next] = value
-            self._next = (self._next + 1) % self._size
+            slot = self._next
+            del self._sorted[bisect.bisect_left(self._sorted, ring[slot])]
+            ring[slot] = value
+            self._next = (slot + 1) % self._size
+        bisect.insort(self._sorted, value)
 
     def median(self) -> float:
-        return _median(sorted(self._values))
+        return _median(self._sorted)
 
     def median_mad(self) -> tuple[float, float]:
-        middle = _median(sorted(self._values))
-        return middle, _median(sorted([abs(value - middle) for value in self._values]))
+        """Median and MAD, without building or sorting the list of deviations.
+
+        Seen from the median m, the values below it and the values from it upwards give two
+        ascending lists of deviations, (m − a[p−1], m − a[p−2], …) and (a[p] − m, …). The
+        MAD is the middle of their merge: found by bisecting how many of the smallest
+        ``take`` deviations come from the first list, O(log n) Python steps.
+        """
+        ordered = self._sorted
+        count = len(ordered)
+        middle = _median(ordered)
+        split = bisect.bisect_left(ordered, middle)  # values below the median
+        above = count - split
+        take = count // 2 + 1 if count % 2 else count // 2  # through the (lower) middle one
+        low, high = max(0, take - above), min(take, split)
+        while low < high:
+            below = (low + high) // 2
+            rest = take - below
+            next_below = middle - ordered[split - 1 - below]
+            if rest > 0 and next_below < ordered[split + rest - 1] - middle:
+                low = below + 1
+            else:
+                high = below
+        below, rest = low, take - low
+        kth = max(
+            middle - ordered[split - below] if below else -math.inf,
+            ordered[split + rest - 1] - middle if rest else -math.inf,
+        )
+        if count % 2:
+            return middle, kth
+        following = min(
+            middle - ordered[split - 1 - below] if below < split else math.inf,
+            ordered[split + rest] - middle if rest < above else math.inf,
+        )
+        return middle, 0.5 * (kth + following)
 
 
 def _median(ordered: list[float]) -> float:
@@ -102,8 +145,8 @@ def _median(ordered: list[float]) -> float:
 def _robust_z(value: float, middle: float, mad: float, floor: float) -> float:
     """(value − median) / (1.4826·MAD); 0 when the deviation is within ``floor``.
 
-    A deviation beyond the floor over a MAD of 0 (a window of identical values) is infinite:
-    anything that moves after a perfectly flat stretch is a change.
+    A deviation beyond the floor over a MAD of 0 (a window of mostly identical values) is
+    infinite: anything that moves after a perfectly flat stretch is a change.
     """
     deviation = value - middle
     if abs(deviation) <= floor:
