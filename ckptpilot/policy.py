@@ -97,7 +97,7 @@ _MAX_STEPS = 10**9
 _MAX_WINDOW = 100_000
 """Rolling windows: the consumers allocate one slot per entry."""
 _MAX_SIGNAL_WINDOW = 1000
-"""Windows of the scheduler's signals: the training thread sorts one every step."""
+"""Windows of the scheduler's signals: the training thread keeps each one sorted, per step."""
 _MAX_COUNT = 100_000
 """Counts of steps, probes or checkpoints (``consecutive``, ``organ_every``, ``*_keep``)."""
 _MAX_SECONDS = 86_400.0

@@ -603,7 +603,7 @@ def test_the_new_signal_keys_load_from_yaml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("window", [100_000_000_000, 200_000_000])
 def test_a_grad_window_that_would_exhaust_memory_is_refused(tmp_path: Path, window: int) -> None:
-    # The training thread sorts the window every probe: 1000 is the most it may hold.
+    # The training thread keeps the window sorted, per probe: 1000 is the most it may hold.
     with pytest.raises(PolicyError, match="less than or equal to 1000 ") as info:
         load_text(tmp_path, f"scheduler:\n  grad: {{window: {window}}}")
     assert info.value.key == "scheduler.grad.window"
