@@ -72,10 +72,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import csv
+import datetime
 import itertools
 import math
+import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -483,10 +486,11 @@ def main() -> None:
                           text=True, check=False).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "ckptpilot/"], capture_output=True,
                            text=True, check=False).stdout.split()
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    print(f"date: {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.gmtime())} UTC")
-    print(f"python {platform.python_version()}, {platform.machine()}; git HEAD {head}; "
-          f"uncommitted in ckptpilot/: {', '.join(dirty[1::2]) or 'none'}")
+    python = os.path.relpath(sys.executable)
+    print(f"command: {shlex.join([python, *sys.argv])}")
+    print(f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
+    print(f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "
+          f"git HEAD {head}; uncommitted in ckptpilot/: {', '.join(dirty[1::2]) or 'none'}")
     print(f"policy: base_interval {policy.base_interval}, min {policy.min_interval}, max "
           f"{policy.max_interval}, hazard window {policy.system.hazard_window_steps}, grad probe "
           f"every step, other settings default; retention default")
