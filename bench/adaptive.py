@@ -87,6 +87,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import ckptpilot
 from ckptpilot.policy import RetentionPolicy, SchedulerPolicy
 from ckptpilot.retention import plan_retention
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
@@ -491,6 +492,7 @@ def main() -> None:
     print(f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
     print(f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "
           f"git HEAD {head}; uncommitted in ckptpilot/: {', '.join(dirty[1::2]) or 'none'}")
+    print(f"ckptpilot imported from {Path(ckptpilot.__file__).parent}")
     print(f"policy: base_interval {policy.base_interval}, min {policy.min_interval}, max "
           f"{policy.max_interval}, hazard window {policy.system.hazard_window_steps}, grad probe "
           f"every step, other settings default; retention default")
