@@ -73,7 +73,12 @@ class _Window:
 
     The sorted copy is updated by bisection on every push (one delete, one insert: memmoves
     of a few hundred bytes), so the median is read in O(1) and the MAD in O(log n) steps.
+    Each tracker judges a value against the window *before* it and then adds it, so the two
+    come as one call: this runs on the training thread every step, where each Python call
+    counts.
     """
+
+    __slots__ = ("_next", "_ring", "_size", "_sorted")
 
     def __init__(self, size: int) -> None:
         self._ring: list[float] = []
@@ -81,10 +86,19 @@ class _Window:
         self._size = size
         self._next = 0
 
-    def __len__(self) -> int:
-        return len(self._ring)
+    def median_then_push(self, value: float) -> float:
+        """The median of the window (NaN while empty), then ``value`` added to it."""
+        middle = _median(self._sorted) if self._sorted else math.nan
+        self._push(value)
+        return middle
 
-    def push(self, value: float) -> None:
+    def median_mad_then_push(self, value: float) -> tuple[float, float]:
+        """Median and MAD of the window (NaN while empty), then ``value`` added to it."""
+        stats = _median_mad(self._sorted) if self._sorted else (math.nan, math.nan)
+        self._push(value)
+        return stats
+
+    def _push(self, value: float) -> None:
         ring = self._ring
         if len(ring) < self._size:
             ring.append(value)
@@ -95,44 +109,41 @@ class _Window:
             self._next = (slot + 1) % self._size
         bisect.insort(self._sorted, value)
 
-    def median(self) -> float:
-        return _median(self._sorted)
 
-    def median_mad(self) -> tuple[float, float]:
-        """Median and MAD, without building or sorting the list of deviations.
+def _median_mad(ordered: list[float]) -> tuple[float, float]:
+    """Median and MAD of a sorted list, without building or sorting the deviations.
 
-        Seen from the median m, the values below it and the values from it upwards give two
-        ascending lists of deviations, (m − a[p−1], m − a[p−2], …) and (a[p] − m, …). The
-        MAD is the middle of their merge: found by bisecting how many of the smallest
-        ``take`` deviations come from the first list, O(log n) Python steps.
-        """
-        ordered = self._sorted
-        count = len(ordered)
-        middle = _median(ordered)
-        split = bisect.bisect_left(ordered, middle)  # values below the median
-        above = count - split
-        take = count // 2 + 1 if count % 2 else count // 2  # through the (lower) middle one
-        low, high = max(0, take - above), min(take, split)
-        while low < high:
-            below = (low + high) // 2
-            rest = take - below
-            next_below = middle - ordered[split - 1 - below]
-            if rest > 0 and next_below < ordered[split + rest - 1] - middle:
-                low = below + 1
-            else:
-                high = below
-        below, rest = low, take - low
-        kth = max(
-            middle - ordered[split - below] if below else -math.inf,
-            ordered[split + rest - 1] - middle if rest else -math.inf,
-        )
-        if count % 2:
-            return middle, kth
-        following = min(
-            middle - ordered[split - 1 - below] if below < split else math.inf,
-            ordered[split + rest] - middle if rest < above else math.inf,
-        )
-        return middle, 0.5 * (kth + following)
+    Seen from the median m, the values below it and the values from it upwards give two
+    ascending lists of deviations, (m − a[p−1], m − a[p−2], …) and (a[p] − m, …). The MAD is
+    the middle of their merge: found by bisecting how many of the smallest ``take``
+    deviations come from the first list, O(log n) Python steps.
+    """
+    count = len(ordered)
+    middle = _median(ordered)
+    split = bisect.bisect_left(ordered, middle)  # values below the median
+    above = count - split
+    take = count // 2 + 1 if count % 2 else count // 2  # through the (lower) middle one
+    low, high = max(0, take - above), min(take, split)
+    while low < high:
+        below = (low + high) // 2
+        rest = take - below
+        next_below = middle - ordered[split - 1 - below]
+        if rest > 0 and next_below < ordered[split + rest - 1] - middle:
+            low = below + 1
+        else:
+            high = below
+    below, rest = low, take - low
+    kth = max(
+        middle - ordered[split - below] if below else -math.inf,
+        ordered[split + rest - 1] - middle if rest else -math.inf,
+    )
+    if count % 2:
+        return middle, kth
+    following = min(
+        middle - ordered[split - 1 - below] if below < split else math.inf,
+        ordered[split + rest] - middle if rest < above else math.inf,
+    )
+    return middle, 0.5 * (kth + following)
 
 
 def _median(ordered: list[float]) -> float:
@@ -197,7 +208,9 @@ class LossChange:
         self._falling = 0.0
         self._levels = _Window(policy.window)
         self._slopes = _Window(policy.history)
-        self._min_slopes = min(policy.history, MIN_HISTORY)
+        # Accepted losses before a slope is judged: a full level window, then enough slopes.
+        self._warm_up = policy.window + min(policy.history, MIN_HISTORY)
+        self._accepted = 0
         self._z = 0.0
         self._signal = 0.0
 
@@ -232,27 +245,31 @@ class LossChange:
                 "pass a non-negative objective to observe()"
             )
         x = math.log10(value + LOSS_EPSILON)
-        if len(self._levels) < self._window:
-            self._levels.push(x)
+        accepted = self._accepted = self._accepted + 1
+        level = self._levels.median_then_push(x)
+        if accepted <= self._window:
             self._signal = 0.0
             return True
-        slope = (x - self._levels.median()) / self._lag
-        self._levels.push(x)
-        if len(self._slopes) >= self._min_slopes:
-            middle, mad = self._slopes.median_mad()
-            z = _robust_z(slope, middle, mad, self._floor)
-            self._z = z
-            capped = max(-self._z_high, min(z, self._z_high))
-            high, allowance = self._drift_high, self._drift_allowance
-            self._rising = min(high, max(0.0, self._rising + capped - allowance))
-            self._falling = min(high, max(0.0, self._falling - capped - allowance))
-            self._signal = max(
-                graded(abs(z), self._z_low, self._z_high),
-                graded(max(self._rising, self._falling), self._drift_low, high),
-            )
-        else:
+        slope = (x - level) / self._lag
+        middle, mad = self._slopes.median_mad_then_push(slope)
+        if accepted <= self._warm_up:
             self._signal = 0.0
-        self._slopes.push(slope)
+            return True
+        z = _robust_z(slope, middle, mad, self._floor)
+        self._z = z
+        z_high = self._z_high
+        capped = z_high if z > z_high else -z_high if z < -z_high else z
+        high, allowance = self._drift_high, self._drift_allowance
+        rising = min(high, max(0.0, self._rising + capped - allowance))
+        falling = min(high, max(0.0, self._falling - capped - allowance))
+        self._rising, self._falling = rising, falling
+        drift = rising if rising > falling else falling
+        if abs(z) <= self._z_low and drift <= self._drift_low:
+            self._signal = 0.0  # the common, quiet step: no grading needed
+        else:
+            self._signal = max(
+                graded(abs(z), self._z_low, z_high), graded(drift, self._drift_low, high)
+            )
         return True
 
 
@@ -290,7 +307,9 @@ class GradActivity:
         self._growth_low = policy.growth_low
         self._growth_high = policy.growth_high
         self._window = _Window(policy.window)
+        self._size = policy.window
         self._min_probes = min(policy.window, MIN_HISTORY)
+        self._probes = 0
         self._z = 0.0
         self._cusum = 0.0
         self._signal = 0.0
@@ -298,7 +317,7 @@ class GradActivity:
     @property
     def probes(self) -> int:
         """How many probes the window holds (at most ``grad.window``)."""
-        return len(self._window)
+        return min(self._probes, self._size)
 
     @property
     def z(self) -> float:
@@ -329,8 +348,10 @@ class GradActivity:
                 "of the gradients"
             )
         y = math.log10(value + GRAD_EPSILON)
-        if len(self._window) >= self._min_probes:
-            middle, mad = self._window.median_mad()
+        judged = self._probes >= self._min_probes
+        self._probes += 1
+        middle, mad = self._window.median_mad_then_push(y)
+        if judged:
             z = _robust_z(y, middle, mad, 0.0)
             self._z = z
             # z capped at z_high: one probe, however far out (an infinite z after a flat
@@ -342,7 +363,6 @@ class GradActivity:
                 graded(z, self._z_low, self._z_high),
                 graded(self._cusum, self._growth_low, self._growth_high),
             )
-        self._window.push(y)
         return True
 
 
