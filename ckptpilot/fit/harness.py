@@ -220,10 +220,14 @@ class Trial:
         ``at_step=25``, ``exit_after_restore=True`` …)."""
         out = self.dir / "out" / label
         out.mkdir(parents=True)
+        # torchrun's rendezvous leaves a temp directory per run: keep it in the trial's.
+        tmp = out / "tmp"
+        tmp.mkdir()
         with open(out / "child.log", "wb") as log:
             proc = subprocess.Popen(self._command(out, options), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    env={**os.environ, "TMPDIR": str(tmp)})
         return Running(label, out, proc, self.ranks, time.monotonic())
 
     def run(self, label: str, **options: Any) -> ChildRun:
