@@ -409,6 +409,13 @@ def _verdict(met: bool) -> str:
     return "yes" if met else "**NO**"
 
 
+def _worst(*ratios: float) -> float:
+    """The larger ratio, against the stricter baseline; NaN (a baseline of 0) only when no
+    ratio is defined — ``max`` would keep or drop a NaN depending on its position."""
+    defined = [r for r in ratios if not math.isnan(r)]
+    return max(defined) if defined else math.nan
+
+
 def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
     lost = outcome.lost
     mean = [statistics.fmean(x[i] for x in lost) for i in range(3)]
@@ -417,7 +424,7 @@ def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
     r_fixed, lo_fixed, hi_fixed = pooled_ratio(lost, 1, rng)
     r_time, lo_time, hi_time = pooled_ratio(lost, 2, rng)
     verdicts = []
-    lost_ratio = max(r_fixed, r_time)
+    lost_ratio = _worst(r_fixed, r_time)
     if model == "uniform":
         verdicts.append(f"uniform lost ≤ 1.05×: {_verdict(lost_ratio <= 1.05)}")
     elif model.startswith("precursor p=0.5"):
@@ -425,7 +432,8 @@ def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
     if outcome.spikes:
         kept = [statistics.median(r.kept_distance for r in rows) for rows in outcome.rollback]
         raw = [statistics.median(r.any_distance for r in rows) for rows in outcome.rollback]
-        spike_ratio = max(kept[0] / kept[1], kept[0] / kept[2])
+        spike_ratio = _worst(kept[0] / kept[1] if kept[1] else math.nan,
+                             kept[0] / kept[2] if kept[2] else math.nan)
         survived = sum(r.survived for r in outcome.rollback[0])
         total = len(outcome.rollback[0])
         spike_cell = (
@@ -438,8 +446,8 @@ def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
         spike_cell = "0: no spike"
     quiet = outcome.quiet
     q_mean = [statistics.fmean(x[i] for x in quiet) for i in range(3)]
-    q_ratio = max(q_mean[0] / q_mean[1] if q_mean[1] else math.nan,
-                  q_mean[0] / q_mean[2] if q_mean[2] else math.nan)
+    q_ratio = _worst(q_mean[0] / q_mean[1] if q_mean[1] else math.nan,
+                     q_mean[0] / q_mean[2] if q_mean[2] else math.nan)
     verdicts.append(f"quiet ≤ 1.1×: {_verdict(q_ratio <= 1.1)}")
     return [
         trace.name,
@@ -486,12 +494,13 @@ def main() -> None:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=False).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "ckptpilot/"], capture_output=True,
-                           text=True, check=False).stdout.split()
+                           text=True, check=False).stdout.splitlines()
+    changed = ", ".join(line[3:] for line in dirty) or "none"
     python = os.path.relpath(sys.executable)
     print(f"command: {shlex.join([python, *sys.argv])}")
     print(f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
     print(f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "
-          f"git HEAD {head}; uncommitted in ckptpilot/: {', '.join(dirty[1::2]) or 'none'}")
+          f"git HEAD {head}; uncommitted in ckptpilot/: {changed}")
     print(f"ckptpilot imported from {Path(ckptpilot.__file__).parent}")
     print(f"policy: base_interval {policy.base_interval}, min {policy.min_interval}, max "
           f"{policy.max_interval}, hazard window {policy.system.hazard_window_steps}, grad probe "

@@ -1121,6 +1121,7 @@ class CheckpointPilot:
                 target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
                 self.store.mark(row.key, target,
                                 note=f"abandoned: the run was restored to step {step}")
+        self.scheduler.restart(step)
         self.step = self._base_step = step
         self._optimizer_steps = 0
         self._last_save_step = step

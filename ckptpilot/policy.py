@@ -94,12 +94,10 @@ _BYTE_UNITS = {
 # Upper bounds, each far beyond a real run and small enough to keep memory and time sane.
 _MAX_STEPS = 10**9
 """Intervals counted in optimizer steps."""
-_MAX_WINDOW = 100_000
-"""Rolling windows: the consumers allocate one slot per entry."""
 _MAX_SIGNAL_WINDOW = 1000
 """Windows of the scheduler's signals: the training thread keeps each one sorted, per step."""
 _MAX_COUNT = 100_000
-"""Counts of steps, probes or checkpoints (``consecutive``, ``organ_every``, ``*_keep``)."""
+"""Counts of steps, probes or checkpoints (``organ_every``, ``*_keep``)."""
 _MAX_SECONDS = 86_400.0
 """Durations and timeouts: one day; socket timeouts overflow long before 1e300 s."""
 _MAX_RATIO = 1e6
@@ -311,6 +309,7 @@ class LossSignalPolicy(_Section):
     def _check_band(self) -> Self:
         _check_band("z_low", self.z_low, "z_high", self.z_high)
         _check_band("drift_low", self.drift_low, "drift_high", self.drift_high)
+        _check_allowance("drift_allowance", self.drift_allowance, self.z_high)
         return self
 
 
@@ -329,12 +328,23 @@ class GradSignalPolicy(_Section):
     growth_allowance: float = Field(1.5, ge=0, le=_MAX_RATIO)
     growth_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
     growth_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
+    deadband_decades: float = Field(0.02, ge=0, le=10)
 
     @model_validator(mode="after")
     def _check_band(self) -> Self:
         _check_band("z_low", self.z_low, "z_high", self.z_high)
         _check_band("growth_low", self.growth_low, "growth_high", self.growth_high)
+        _check_allowance("growth_allowance", self.growth_allowance, self.z_high)
         return self
+
+
+def _check_allowance(key: str, allowance: float, z_high: float) -> None:
+    if allowance >= z_high:
+        raise _KeyedError(
+            key,
+            f"{key} ({allowance:g}) must be below z_high ({z_high:g}): a step adds at most "
+            f"z_high − {key} to its CUSUM, so the detector could never fire",
+        )
 
 
 def _check_band(low_key: str, low: float, high_key: str, high: float) -> None:

@@ -908,3 +908,13 @@ def test_a_control_character_in_a_path_is_refused_at_load(tmp_path: Path, key: s
     with pytest.raises(PolicyError, match="control character") as info:
         load_policy(write_policy(tmp_path, yaml.safe_dump(data)))
     assert info.value.key == ("run_dir" if key == "run_dir" else "tiers.remote.url")
+
+
+@pytest.mark.parametrize(("section", "key"), [("loss", "drift_allowance"),
+                                              ("grad", "growth_allowance")])
+def test_an_allowance_that_silences_its_cusum_is_refused(tmp_path: Path, section: str,
+                                                         key: str) -> None:
+    text = f"scheduler: {{{section}: {{z_high: 4.0, z_low: 2.0, {key}: 4.0}}}}\n"
+    with pytest.raises(PolicyError, match=f"{key} .* must be below z_high") as info:
+        load_text(tmp_path, text)
+    assert info.value.key == f"scheduler.{section}.{key}"

@@ -70,11 +70,12 @@ class AdaptiveCheckpointScheduler:
     * Level: the ``organ_every``-th save since the last organ is an organ, else a pulse.
       Emergency organs (and organs passed to :meth:`note_save`) restart that count: an organ
       is a fresh self-contained base, and ``organ_every`` bounds the saves since the last one.
-    * A non-finite loss or grad norm (on any rank) gives ``save=False, non_finite=True`` and
-      changes no bookkeeping, the trigger's arming included: the pilot never saves a
-      non-finite state. The trackers never saw the value (see ``signals.py``), but the loss
-      signal is 1 for that step and the hazard window starts, so the interval shortens for
-      the finite steps that follow.
+    * A non-finite loss or grad norm gives ``save=False, non_finite=True`` and changes no
+      bookkeeping, the trigger's arming included. (In a distributed run the pilot decides
+      step t from the signals agreed at step t − 1, so another rank's non-finite value holds
+      back the save one step later.) The trackers never saw the value (see ``signals.py``),
+      but the loss signal is 1 for that step and the hazard window starts, so the interval
+      shortens for the finite steps that follow.
     * Retention class from the score at save time: ≥ ``critical_score`` critical,
       ≥ ``important_score`` important, else routine; emergency saves are critical.
     """
@@ -155,6 +156,11 @@ class AdaptiveCheckpointScheduler:
             )
         return None
 
+    def restart(self, step: int) -> None:
+        """The run was restored to ``step``: a precursor seen after it keeps the hazard
+        raised from ``step`` on (a rollback returns to just before the trouble)."""
+        self._hazard.restart(step)
+
     def note_save(self, step: int, level: Level | str) -> None:
         """Record a save the scheduler did not decide (forced, or the restored checkpoint)."""
         level = Level(level)
@@ -185,14 +191,15 @@ class AdaptiveCheckpointScheduler:
         ``system.hazard_window_steps`` steps.
         """
         problem = None
-        if loss is not None and not self._loss.update(loss):
+        loss_bad = loss is not None and not self._loss.update(loss)
+        if loss_bad:
             problem = f"loss ({float(loss)})"
         if grad_norm is not None and not self._grad.update(grad_norm):
             grad_problem = f"grad norm ({float(grad_norm)})"
             problem = grad_problem if problem is None else f"{problem} and {grad_problem}"
         if problem is not None:
             self._non_finite_note = (step, problem)
-        loss_signal = self._loss.signal
+        loss_signal = 1.0 if loss_bad else self._loss.signal
         grad_signal = self._grad.signal
         health_signal = 0.0
         if system is not None:

@@ -226,24 +226,28 @@ class LossChange:
 
     @property
     def signal(self) -> float:
-        """The graded signal in [0, 1] of the last loss fed (1.0 after a non-finite one)."""
+        """The graded signal in [0, 1] of the last finite, non-zero loss judged."""
         return self._signal
 
     def update(self, loss: float) -> bool:
-        """Feed one step's loss; False for a NaN or infinite loss (signal 1, windows untouched).
+        """Feed one step's loss; False for a NaN or infinite loss (nothing changes: the
+        scheduler reports that step's loss signal as 1).
 
-        Raises ``ValueError`` for a negative loss: its log is undefined, and clamping it would
-        invent a change. Pass a non-negative training objective (cross-entropy, MSE …).
+        A loss of exactly 0 (a fully masked batch, a hinge loss met) is no reading: its log
+        lies decades below any other and would read as a jump. Raises ``ValueError`` for a
+        negative loss: its log is undefined, and clamping it would invent a change. Pass a
+        non-negative training objective (cross-entropy, MSE …).
         """
         value = float(loss)
         if not math.isfinite(value):
-            self._signal = 1.0
             return False
         if value < 0.0:
             raise ValueError(
                 f"loss must be >= 0 for the log10 loss-change signal, got {value!r}; "
                 "pass a non-negative objective to observe()"
             )
+        if value == 0.0:
+            return True
         x = math.log10(value + LOSS_EPSILON)
         accepted = self._accepted = self._accepted + 1
         level = self._levels.median_then_push(x)
@@ -283,7 +287,9 @@ class GradActivity:
     ``probe_every``.
 
     Per probe: y = log10(g + 1e-30); z = (y − median(Y)) / (1.4826·MAD(Y)) over the last
-    ``grad.window`` probes Y before it. Two parts, and the signal is the larger:
+    ``grad.window`` probes Y before it, and z = 0 while y is within ``grad.deadband_decades``
+    of the median (a flat or coarsely rounded norm, MAD 0, must not read as an infinite z).
+    Two parts, and the signal is the larger:
 
     * deviation: :func:`graded`(z, ``z_low``, ``z_high``), a norm far above its recent
       median. Only upward: a norm far *below* it is a batch the model already fits, common
@@ -304,6 +310,7 @@ class GradActivity:
         self._z_low = policy.z_low
         self._z_high = policy.z_high
         self._allowance = policy.growth_allowance
+        self._deadband = policy.deadband_decades
         self._growth_low = policy.growth_low
         self._growth_high = policy.growth_high
         self._window = _Window(policy.window)
@@ -352,7 +359,7 @@ class GradActivity:
         self._probes += 1
         middle, mad = self._window.median_mad_then_push(y)
         if judged:
-            z = _robust_z(y, middle, mad, 0.0)
+            z = _robust_z(y, middle, mad, self._deadband)
             self._z = z
             # z capped at z_high: one probe, however far out (an infinite z after a flat
             # window), adds a bounded amount; C capped at growth_high, where the signal is
@@ -381,10 +388,11 @@ class Hazard:
         self._window = window_steps
         self._last: int | None = None
 
-    @property
-    def last_precursor_step(self) -> int | None:
-        """Step of the last precursor seen (None before any)."""
-        return self._last
+    def restart(self, step: int) -> None:
+        """The run went back to ``step`` (a restore): a precursor seen after it still counts,
+        as seen at ``step`` — the run returns to just before the trouble."""
+        if self._last is not None and self._last > step:
+            self._last = step
 
     def update(self, step: int, precursor: bool) -> float:
         """Note whether ``step`` had a precursor; return the hazard in [0, 1] at ``step``."""
