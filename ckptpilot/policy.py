@@ -70,6 +70,7 @@ __all__ = [
     "Policy",
     "RemoteTierPolicy",
     "RetentionPolicy",
+    "RollbackPolicy",
     "SchedulerPolicy",
     "SchedulerWeights",
     "SystemSignalPolicy",
@@ -402,6 +403,27 @@ class SchedulerPolicy(_Section):
         return self
 
 
+class RollbackPolicy(_Section):
+    """Instability rollback (README "Instability rollback"): spike detection and what to do.
+
+    A loss above ``spike_factor`` × the median of the last ``baseline_window`` losses for
+    ``patience`` steps in a row, or a NaN/inf loss at once, is a spike; its onset is the first
+    of those steps. The newest save before the onset is classed ``important`` at least,
+    whether or not ``enabled``. With ``enabled`` the pilot also restores it, skips
+    ``skip_batches`` batches of the data cursor (null: as many as steps were trained from the
+    restored step to the detection) and trains on; more than ``max_rollbacks`` rollbacks
+    within ``window_steps`` steps raise :class:`ckptpilot.RollbackLimitError`.
+    """
+
+    enabled: bool = False
+    spike_factor: float = Field(2.0, gt=1, le=_MAX_RATIO)
+    baseline_window: int = Field(50, ge=2, le=_MAX_SIGNAL_WINDOW)
+    patience: int = Field(3, ge=1, le=_MAX_STEPS)
+    skip_batches: int | None = Field(None, ge=0, le=_MAX_STEPS)
+    max_rollbacks: int = Field(3, ge=1, le=_MAX_COUNT)
+    window_steps: int = Field(1000, ge=1, le=_MAX_STEPS)
+
+
 class HeartbeatPolicy(_Section):
     """Level-0 heartbeat: written every ``every`` steps, whatever the scheduler decides."""
 
@@ -571,6 +593,7 @@ class Policy(_Section):
     tiers: TiersPolicy = Field(default_factory=TiersPolicy)
     validation: ValidationPolicy = Field(default_factory=ValidationPolicy)
     retention: RetentionPolicy = Field(default_factory=RetentionPolicy)
+    rollback: RollbackPolicy = Field(default_factory=RollbackPolicy)
     observability: ObservabilityPolicy = Field(default_factory=ObservabilityPolicy)
     async_: AsyncPolicy = Field(default_factory=AsyncPolicy, alias="async")
 

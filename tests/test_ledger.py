@@ -90,6 +90,25 @@ def synthetic_ledger(path: Path) -> FailureLedger:
     return ledger
 
 
+def test_rollbacks_are_read_back_and_change_neither_the_mtbf_nor_the_last_kind(
+        tmp_path: Path) -> None:
+    """A rollback keeps the run going: a run still counts as unclosed after it (so a crash
+    is still recorded as an interruption) and the MTBF is the same with or without it."""
+    path = tmp_path / "failures.jsonl"
+    ledger = synthetic_ledger(path)
+    mtbf = ledger.mtbf_seconds()
+    ledger.record_run_start(11_800, wall_time=4 * HOUR)
+    event = ledger.record_rollback(step=12_050, onset=12_040, to_step=12_000,
+                                   skipped_batches=50, reason="loss 9 above 2 x 3",
+                                   wall_time=4 * HOUR + 60)
+    assert FailureLedger(path).rollbacks() == [event]
+    assert (event.to_step, event.onset, event.skipped_batches) == (12_000, 12_040, 50)
+    assert ledger.last_kind() == "run_start"
+    ledger.record_run_end(12_100, wall_time=4.5 * HOUR)
+    assert ledger.mtbf_seconds() == pytest.approx(mtbf + 0.5 * HOUR / 2)
+    assert json.loads(path.read_text().splitlines()[-2])["kind"] == "rollback"
+
+
 def test_mtbf_is_uptime_over_interruptions(tmp_path: Path) -> None:
     ledger = synthetic_ledger(tmp_path / "failures.jsonl")
     assert ledger.mtbf_seconds() == pytest.approx((1 + 2 + 0.5) * HOUR / 2)

@@ -18,7 +18,11 @@ Record format, one JSON object per line, version 1 (``"v": 1``), ``"kind"`` one 
 * ``run_end``: ``wall_time``, ``step``, optional ``uptime_seconds`` — that run ended cleanly;
 * ``interruption``: ``wall_time`` (when recorded), ``failed_at`` (wall time the interrupted run
   was last seen alive), ``last_step``, ``recovered_step``, ``steps_lost``, ``source``,
-  ``recovery_seconds``, optional ``uptime_seconds``.
+  ``recovery_seconds``, optional ``uptime_seconds``;
+* ``rollback``: ``wall_time``, ``step`` (where the spike was confirmed), ``onset``, ``to_step``
+  (the checkpoint restored), ``skipped_batches``, ``reason`` — an instability rollback: the
+  run went on, so it is no failure and no lifecycle event; the MTBF and :meth:`last_kind`
+  pass over it. (A ckptpilot older than this record kind sets such a file aside as damaged.)
 
 Readers ignore fields they do not know, so an optional field needs no new version.
 
@@ -63,6 +67,7 @@ __all__ = [
     "LEDGER_VERSION",
     "FailureLedger",
     "Interruption",
+    "Rollback",
     "daly_interval",
     "young_interval",
 ]
@@ -87,6 +92,10 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "recovered_step": (int,),
     "steps_lost": (int,),
     "source": (str,),
+    "onset": (int,),
+    "to_step": (int,),
+    "skipped_batches": (int,),
+    "reason": (str,),
 }
 _FIELDS: dict[Any, tuple[str, ...]] = {
     "run_start": ("wall_time", "step"),
@@ -100,6 +109,7 @@ _FIELDS: dict[Any, tuple[str, ...]] = {
         "source",
         "recovery_seconds",
     ),
+    "rollback": ("wall_time", "step", "onset", "to_step", "skipped_batches", "reason"),
 }
 
 
@@ -148,6 +158,19 @@ class Interruption:
     source: str
     recovery_seconds: float
     uptime_seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """One instability rollback: a spike starting at ``onset`` confirmed at ``step``; the run
+    restored ``to_step`` and skipped ``skipped_batches`` batches of its data."""
+
+    wall_time: float
+    step: int
+    onset: int
+    to_step: int
+    skipped_batches: int
+    reason: str
 
 
 class FailureLedger:
@@ -232,13 +255,32 @@ class FailureLedger:
         self._append({"kind": "interruption", **fields})
         return record
 
+    def record_rollback(self, *, step: int, onset: int, to_step: int, skipped_batches: int,
+                        reason: str, wall_time: float | None = None) -> Rollback:
+        """Record one instability rollback and return it."""
+        record = Rollback(wall_time=_now(wall_time), step=int(step), onset=int(onset),
+                          to_step=int(to_step), skipped_batches=int(skipped_batches),
+                          reason=str(reason))
+        self._append({"kind": "rollback", **dataclasses.asdict(record)})
+        return record
+
+    def rollbacks(self) -> list[Rollback]:
+        """Every recorded rollback, oldest first."""
+        return [
+            Rollback(wall_time=float(r["wall_time"]), step=r["step"], onset=r["onset"],
+                     to_step=r["to_step"], skipped_batches=r["skipped_batches"],
+                     reason=r["reason"])
+            for r in self._records() if r["kind"] == "rollback"
+        ]
+
     def last_kind(self) -> str | None:
-        """Kind of the newest record (``run_start``/``run_end``/``interruption``), None if empty.
+        """Kind of the newest lifecycle record (``run_start``/``run_end``/``interruption``),
+        None if there is none; rollbacks are passed over.
 
         ``run_start`` as the newest record means the run it started never closed cleanly.
         """
-        records = self._records()
-        return records[-1]["kind"] if records else None
+        kinds = [r["kind"] for r in self._records() if r["kind"] != "rollback"]
+        return kinds[-1] if kinds else None
 
     def interruptions(self) -> list[Interruption]:
         """Every recorded interruption, oldest first."""
@@ -264,6 +306,8 @@ class FailureLedger:
         start: dict[str, Any] | None = None
         for record in self._records():
             kind = record["kind"]
+            if kind == "rollback":
+                continue
             if kind == "run_start":
                 start = record
                 continue
