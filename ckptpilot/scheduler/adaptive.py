@@ -207,14 +207,18 @@ class AdaptiveCheckpointScheduler:
             self._hard_errors_reading = system.hard_errors
             # A reading below the reference means the probe restarted: start from it.
             self._hard_errors_acted_on = min(self._hard_errors_acted_on, system.hard_errors)
-        precursor = problem is not None or (
-            max(loss_signal, grad_signal, health_signal) >= PRECURSOR_SIGNAL
+        # Comparisons rather than max(): this runs on the training thread at every step.
+        precursor = (
+            problem is not None
+            or loss_signal >= PRECURSOR_SIGNAL
+            or grad_signal >= PRECURSOR_SIGNAL
+            or health_signal >= PRECURSOR_SIGNAL
         )
         hazard = self._hazard.update(step, precursor)
         return {
             "loss": loss_signal,
             "grad": grad_signal,
-            "system": max(health_signal, hazard),
+            "system": hazard if hazard > health_signal else health_signal,
             "hard_errors": float(self._hard_errors_reading - self._hard_errors_acted_on),
             "non_finite": 0.0 if problem is None else 1.0,
         }
