@@ -24,8 +24,9 @@ Threading: a tracker belongs to one thread (the training thread, through the sch
 
 from __future__ import annotations
 
-import bisect
-import math
+from bisect import bisect_left, insort
+from collections import deque
+from math import copysign, inf, isfinite, log10
 
 from ckptpilot.policy import GradSignalPolicy, LossSignalPolicy
 
@@ -69,103 +70,72 @@ def graded(z: float, low: float, high: float) -> float:
 
 
 class _Window:
-    """The last ``size`` values in a ring, and the same values kept sorted.
+    """The last ``size`` values in arrival order (``ring``) and the same values sorted.
 
-    The sorted copy is updated by bisection on every push (one delete, one insert: memmoves
-    of a few hundred bytes), so the median is read in O(1) and the MAD in O(log n) steps.
-    Each tracker judges a value against the window *before* it and then adds it, so the two
-    come as one call: this runs on the training thread every step, where each Python call
-    counts.
+    A tracker reads the median of ``ordered`` and, through :meth:`mad`, its MAD, *then* adds
+    the new value: it is judged against the window before it. Adding is inline in the
+    trackers, three C calls, because they run on the training thread at every step::
+
+        if len(ring) == size:
+            del ordered[bisect_left(ordered, ring[0])]  # the oldest leaves
+        ring.append(value)  # a full deque drops ring[0] itself
+        insort(ordered, value)
+
+    One delete and one insert, memmoves of a few hundred bytes, no sort.
     """
 
-    __slots__ = ("_next", "_ring", "_size", "_sorted")
+    __slots__ = ("_start", "ordered", "ring", "size")
 
     def __init__(self, size: int) -> None:
-        self._ring: list[float] = []
-        self._sorted: list[float] = []
-        self._size = size
-        self._next = 0
+        self.size = size
+        self.ring: deque[float] = deque(maxlen=size)
+        self.ordered: list[float] = []
+        self._start = 0
 
-    def median_then_push(self, value: float) -> float:
-        """The median of the window (NaN while empty), then ``value`` added to it."""
-        middle = _median(self._sorted) if self._sorted else math.nan
-        self._push(value)
-        return middle
+    def mad(self, middle: float) -> float:
+        """The median absolute deviation of ``ordered`` from its median ``middle``.
 
-    def median_mad_then_push(self, value: float) -> tuple[float, float]:
-        """Median and MAD of the window (NaN while empty), then ``value`` added to it."""
-        stats = _median_mad(self._sorted) if self._sorted else (math.nan, math.nan)
-        self._push(value)
-        return stats
+        Without sorting the deviations. The k values nearest the median m are k neighbours
+        a[i..i+k−1] of ``ordered``, so the k-th smallest deviation is the smallest reach,
+        max(m − a[i], a[i+k−1] − m), of such a run. Moving a run right shortens its reach
+        down and lengthens its reach up, so the best run is the first one that reaches at
+        least as far up as down, or the one just before it. One value comes and one goes per
+        step, so that run moves by a rank or two: the walk starts where the last one ended,
+        O(1) Python steps on a steady window where a search takes O(log n). With an even
+        count the MAD is the mean of the k-th and the (k+1)-th smallest deviation, the
+        (k+1)-th being the nearer neighbour of the best run.
+        """
+        ordered = self.ordered
+        count = len(ordered)
+        last = count >> 1  # the last run's first rank
+        top = count - last - 1  # a run a[i..i+top] holds k = count − count // 2 values
+        start = self._start if self._start <= last else last + 1
+        while start and ordered[start + top - 1] - middle >= middle - ordered[start - 1]:
+            start -= 1
+        while start <= last and ordered[start + top] - middle < middle - ordered[start]:
+            start += 1
+        self._start = start
+        up = ordered[start + top] - middle if start <= last else inf  # a[start..]'s reach
+        down = middle - ordered[start - 1] if start else inf  # a[start − 1..]'s reach
+        if count & 1:
+            return up if up < down else down
+        if up < down:  # the best run is a[start..start+top]; a[start − 1] reaches down
+            after = ordered[start + top + 1] - middle if start + top + 1 < count else inf
+            return 0.5 * (up + (down if down < after else after))
+        before = middle - ordered[start - 2] if start > 1 else inf  # the best is a[start − 1..]
+        return 0.5 * (down + (before if before < up else up))
 
-    def _push(self, value: float) -> None:
-        ring = self._ring
-        if len(ring) < self._size:
-            ring.append(value)
-        else:
-            slot = self._next
-            del self._sorted[bisect.bisect_left(self._sorted, ring[slot])]
-            ring[slot] = value
-            self._next = (slot + 1) % self._size
-        bisect.insort(self._sorted, value)
+    def z(self, deviation: float, middle: float) -> float:
+        """deviation / (1.4826·MAD), the MAD around ``middle``, the median of ``ordered``.
 
-
-def _median_mad(ordered: list[float]) -> tuple[float, float]:
-    """Median and MAD of a sorted list, without building or sorting the deviations.
-
-    Seen from the median m, the values below it and the values from it upwards give two
-    ascending lists of deviations, (m − a[p−1], m − a[p−2], …) and (a[p] − m, …). The MAD is
-    the middle of their merge: found by bisecting how many of the smallest ``take``
-    deviations come from the first list, O(log n) Python steps.
-    """
-    count = len(ordered)
-    middle = _median(ordered)
-    split = bisect.bisect_left(ordered, middle)  # values below the median
-    above = count - split
-    take = count // 2 + 1 if count % 2 else count // 2  # through the (lower) middle one
-    low, high = max(0, take - above), min(take, split)
-    while low < high:
-        below = (low + high) // 2
-        rest = take - below
-        next_below = middle - ordered[split - 1 - below]
-        if rest > 0 and next_below < ordered[split + rest - 1] - middle:
-            low = below + 1
-        else:
-            high = below
-    below, rest = low, take - low
-    kth = max(
-        middle - ordered[split - below] if below else -math.inf,
-        ordered[split + rest - 1] - middle if rest else -math.inf,
-    )
-    if count % 2:
-        return middle, kth
-    following = min(
-        middle - ordered[split - 1 - below] if below < split else math.inf,
-        ordered[split + rest] - middle if rest < above else math.inf,
-    )
-    return middle, 0.5 * (kth + following)
-
-
-def _median(ordered: list[float]) -> float:
-    half = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[half]
-    return 0.5 * (ordered[half - 1] + ordered[half])
-
-
-def _robust_z(value: float, middle: float, mad: float, floor: float) -> float:
-    """(value − median) / (1.4826·MAD); 0 when the deviation is within ``floor``.
-
-    A deviation beyond the floor over a MAD of 0 (a window of mostly identical values) is
-    infinite: anything that moves after a perfectly flat stretch is a change.
-    """
-    deviation = value - middle
-    if abs(deviation) <= floor:
-        return 0.0
-    scale = MAD_TO_SIGMA * mad
-    if scale > 0.0:
-        return deviation / scale
-    return math.copysign(math.inf, deviation)
+        Infinite over a MAD of 0 (a window of mostly identical values): anything that moves
+        after a perfectly flat stretch is a change. The caller counts a deviation within its
+        floor as z = 0 without asking.
+        """
+        scale = MAD_TO_SIGMA * self.mad(middle)
+        if scale > 0.0:
+            return deviation / scale
+        return copysign(inf, deviation)
 
 
 class LossChange:
@@ -207,6 +177,8 @@ class LossChange:
         self._rising = 0.0
         self._falling = 0.0
         self._levels = _Window(policy.window)
+        # The level median is read only from a full window: its two ranks are fixed.
+        self._level_lo, self._level_hi = (policy.window - 1) // 2, policy.window // 2
         self._slopes = _Window(policy.history)
         # Accepted losses before a slope is judged: a full level window, then enough slopes.
         self._warm_up = policy.window + min(policy.history, MIN_HISTORY)
@@ -239,40 +211,64 @@ class LossChange:
         non-negative training objective (cross-entropy, MSE …).
         """
         value = float(loss)
-        if not math.isfinite(value):
-            return False
-        if value < 0.0:
-            raise ValueError(
-                f"loss must be >= 0 for the log10 loss-change signal, got {value!r}; "
-                "pass a non-negative objective to observe()"
-            )
-        if value == 0.0:
+        if not 0.0 < value < inf:
+            if not isfinite(value):
+                return False
+            if value < 0.0:
+                raise ValueError(
+                    f"loss must be >= 0 for the log10 loss-change signal, got {value!r}; "
+                    "pass a non-negative objective to observe()"
+                )
             return True
-        x = math.log10(value + LOSS_EPSILON)
+        x = log10(value + LOSS_EPSILON)
         accepted = self._accepted = self._accepted + 1
-        level = self._levels.median_then_push(x)
+        ring, ordered = self._levels.ring, self._levels.ordered
         if accepted <= self._window:
+            ring.append(x)
+            insort(ordered, x)
             self._signal = 0.0
             return True
-        slope = (x - level) / self._lag
-        middle, mad = self._slopes.median_mad_then_push(slope)
-        if accepted <= self._warm_up:
+        slope = (x - 0.5 * (ordered[self._level_lo] + ordered[self._level_hi])) / self._lag
+        del ordered[bisect_left(ordered, ring[0])]
+        ring.append(x)
+        insort(ordered, x)
+
+        slopes = self._slopes
+        ring, ordered = slopes.ring, slopes.ordered
+        if accepted <= self._warm_up:  # never fills the slope window: no delete
+            ring.append(slope)
+            insort(ordered, slope)
             self._signal = 0.0
             return True
-        z = _robust_z(slope, middle, mad, self._floor)
-        self._z = z
-        z_high = self._z_high
-        capped = z_high if z > z_high else -z_high if z < -z_high else z
-        high, allowance = self._drift_high, self._drift_allowance
-        rising = min(high, max(0.0, self._rising + capped - allowance))
-        falling = min(high, max(0.0, self._falling - capped - allowance))
-        self._rising, self._falling = rising, falling
-        drift = rising if rising > falling else falling
-        if abs(z) <= self._z_low and drift <= self._drift_low:
-            self._signal = 0.0  # the common, quiet step: no grading needed
+        count = len(ordered)
+        middle = 0.5 * (ordered[(count - 1) >> 1] + ordered[count >> 1])
+        deviation = slope - middle
+        floor = self._floor
+        z = self._z = 0.0 if -floor <= deviation <= floor else slopes.z(deviation, middle)
+        if count == slopes.size:
+            del ordered[bisect_left(ordered, ring[0])]
+        ring.append(slope)
+        insort(ordered, slope)
+
+        size = z if z >= 0.0 else -z
+        allowance = self._drift_allowance
+        if size <= allowance and not self._rising and not self._falling:
+            drift = 0.0  # the common, quiet step: both CUSUMs stay at 0
+        else:
+            z_high, high = self._z_high, self._drift_high
+            capped = z_high if z > z_high else -z_high if z < -z_high else z
+            rising = self._rising + capped - allowance
+            rising = 0.0 if rising < 0.0 else high if rising > high else rising
+            falling = self._falling - capped - allowance
+            falling = 0.0 if falling < 0.0 else high if falling > high else falling
+            self._rising, self._falling = rising, falling
+            drift = rising if rising > falling else falling
+        if size <= self._z_low and drift <= self._drift_low:
+            self._signal = 0.0  # no grading needed
         else:
             self._signal = max(
-                graded(abs(z), self._z_low, z_high), graded(drift, self._drift_low, high)
+                graded(size, self._z_low, self._z_high),
+                graded(drift, self._drift_low, self._drift_high),
             )
         return True
 
@@ -314,9 +310,7 @@ class GradActivity:
         self._growth_low = policy.growth_low
         self._growth_high = policy.growth_high
         self._window = _Window(policy.window)
-        self._size = policy.window
         self._min_probes = min(policy.window, MIN_HISTORY)
-        self._probes = 0
         self._z = 0.0
         self._cusum = 0.0
         self._signal = 0.0
@@ -324,7 +318,7 @@ class GradActivity:
     @property
     def probes(self) -> int:
         """How many probes the window holds (at most ``grad.window``)."""
-        return min(self._probes, self._size)
+        return len(self._window.ring)
 
     @property
     def z(self) -> float:
@@ -347,28 +341,40 @@ class GradActivity:
         Raises ``ValueError`` for a negative value: a norm never is; pass the global L2 norm.
         """
         value = float(grad_norm)
-        if not math.isfinite(value):
-            return False
-        if value < 0.0:
+        if not 0.0 <= value < inf:
+            if not isfinite(value):
+                return False
             raise ValueError(
                 f"grad_norm must be >= 0 (a norm), got {value!r}; pass the global L2 norm "
                 "of the gradients"
             )
-        y = math.log10(value + GRAD_EPSILON)
-        judged = self._probes >= self._min_probes
-        self._probes += 1
-        middle, mad = self._window.median_mad_then_push(y)
-        if judged:
-            z = _robust_z(y, middle, mad, self._deadband)
-            self._z = z
-            # z capped at z_high: one probe, however far out (an infinite z after a flat
-            # window), adds a bounded amount; C capped at growth_high, where the signal is
-            # already 1, so a long climb is forgotten within a few probes once it stops.
-            cusum = self._cusum + min(z, self._z_high) - self._allowance
-            self._cusum = min(self._growth_high, max(0.0, cusum))
+        y = log10(value + GRAD_EPSILON)
+        window = self._window
+        ring, ordered = window.ring, window.ordered
+        count = len(ordered)
+        if count < self._min_probes:  # never a full window: no delete
+            ring.append(y)
+            insort(ordered, y)
+            return True
+        middle = 0.5 * (ordered[(count - 1) >> 1] + ordered[count >> 1])
+        deviation = y - middle
+        deadband = self._deadband
+        z = self._z = 0.0 if -deadband <= deviation <= deadband else window.z(deviation, middle)
+        if count == window.size:
+            del ordered[bisect_left(ordered, ring[0])]
+        ring.append(y)
+        insort(ordered, y)
+        # z capped at z_high: one probe, however far out (an infinite z after a flat window),
+        # adds a bounded amount; C capped at growth_high, where the signal is already 1, so a
+        # long climb is forgotten within a few probes once it stops.
+        z_high, growth_high = self._z_high, self._growth_high
+        cusum = self._cusum + (z_high if z > z_high else z) - self._allowance
+        cusum = self._cusum = 0.0 if cusum < 0.0 else growth_high if cusum > growth_high else cusum
+        if z <= self._z_low and cusum <= self._growth_low:
+            self._signal = 0.0  # the common, quiet probe: no grading needed
+        else:
             self._signal = max(
-                graded(z, self._z_low, self._z_high),
-                graded(self._cusum, self._growth_low, self._growth_high),
+                graded(z, self._z_low, z_high), graded(cusum, self._growth_low, growth_high)
             )
         return True
 
@@ -396,10 +402,12 @@ class Hazard:
 
     def update(self, step: int, precursor: bool) -> float:
         """Note whether ``step`` had a precursor; return the hazard in [0, 1] at ``step``."""
-        if self._window == 0:
-            return 0.0
-        if precursor:
+        window = self._window
+        if precursor and window:
             self._last = step
-        if self._last is None or step < self._last:
+            return 1.0
+        last = self._last
+        if last is None or step < last:
             return 0.0
-        return max(0.0, 1.0 - (step - self._last) / self._window)
+        hazard = 1.0 - (step - last) / window
+        return hazard if hazard > 0.0 else 0.0
