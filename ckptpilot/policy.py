@@ -363,22 +363,31 @@ class SystemSignalPolicy(_Section):
     ``nvml``: ``auto`` uses NVML when a GPU and the library are present, ``true`` requires it,
     ``false`` never loads it. ``hazard_window_steps``: after a precursor (any signal at 0.5 or
     more, or a non-finite loss or grad norm) the system signal is at least a hazard that falls
-    from 1 to 0 over this many steps; 0 turns it off.
+    from 1 to 0 over this many steps; 0 turns it off. ``alarm_signal``: a health part of the
+    system signal (what the training signals' own hazard does not explain) at or above it is
+    an alarm: a save at once when it starts, and ``min_interval`` while it lasts.
     """
 
     nvml: Annotated[Literal["auto", True, False], BeforeValidator(_check_nvml)] = "auto"
     io_latency_ms: float = Field(15, gt=0, le=_MAX_SECONDS * 1000)
     sustained_seconds: _Seconds = 5
     hazard_window_steps: int = Field(100, ge=0, le=_MAX_STEPS)
+    alarm_signal: float = Field(1.0, gt=0, le=1)
 
 
 class SchedulerPolicy(_Section):
-    """Adaptive checkpoint scheduler (SPEC §4); intervals are in optimizer steps."""
+    """Adaptive checkpoint scheduler (SPEC §4); intervals are in optimizer steps.
+
+    ``trigger_refractory_fraction``: a score reaching ``trigger_threshold`` saves at once only
+    when at least this fraction of the base interval has passed since the last save (0: at
+    any time), so a long unusual phase does not cluster saves.
+    """
 
     base_interval: int = Field(100, ge=1, le=_MAX_STEPS)
     min_interval: int = Field(10, ge=1, le=_MAX_STEPS)
     max_interval: int = Field(500, ge=1, le=_MAX_STEPS)
     trigger_threshold: float = Field(0.7, ge=0, le=1)
+    trigger_refractory_fraction: float = Field(0.5, ge=0, le=1)
     weights: SchedulerWeights = Field(default_factory=SchedulerWeights)
     loss: LossSignalPolicy = Field(default_factory=LossSignalPolicy)
     grad: GradSignalPolicy = Field(default_factory=GradSignalPolicy)

@@ -335,15 +335,17 @@ def test_a_non_finite_loss_is_a_loss_signal_of_one_and_starts_the_hazard() -> No
 # -- scheduler: intervals -----------------------------------------------------------------
 
 
-def test_a_sudden_drop_shortens_the_interval_and_a_steady_descent_does_not() -> None:
-    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_threshold=1.0))
+def test_a_loss_that_moves_raises_the_score_but_never_shortens_the_interval() -> None:
+    # A sudden drop (or a faster descent, a plateau) warns of no crash: the score shows it,
+    # the saves stay on the beat, where uniform failures cost the least.
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
     losses = descent(130, 0.06, noise=0.0)
     losses[80:] = [loss * 0.1 for loss in losses[80:]]  # one decade down at step 81
     decisions = [scheduler.decide(step, loss) for step, loss in enumerate(losses, 1)]
-    assert {d.interval for d in decisions[:80]} == {100}
-    assert decisions[80].signals["loss"] == 1.0
-    assert decisions[80].interval == 35  # round(100 · (1 − 0.4 − 0.25)): loss 1, hazard 1
-    assert saved_steps(decisions)[0] == 81  # 81 steps since the start >= 35
+    assert decisions[80].signals == {"loss": 1.0, "grad": 0.0, "system": 1.0}  # hazard 1
+    assert decisions[80].score == pytest.approx(0.65)
+    assert {d.interval for d in decisions} == {100}
+    assert saved_steps(decisions) == [100]
 
 
 def test_plateau_saves_exactly_every_base_interval_for_10000_steps() -> None:
@@ -355,26 +357,51 @@ def test_plateau_saves_exactly_every_base_interval_for_10000_steps() -> None:
     assert {d.retention_class for d in decisions if d.save} == {RetentionClass.ROUTINE}
 
 
+SYSTEM_ONLY = SchedulerWeights(loss=0.0, grad=0.0, system=1.0)
+
+
 def test_interval_is_clamped_at_min_interval() -> None:
-    policy = SchedulerPolicy(base_interval=100, min_interval=50)
+    policy = SchedulerPolicy(base_interval=100, min_interval=50, weights=SYSTEM_ONLY)
     scheduler = AdaptiveCheckpointScheduler(policy)
-    decision = scheduler.decide_from(1, signals(loss=1.0, grad=1.0, system=1.0))
-    assert decision.score == pytest.approx(1.0)
+    decision = scheduler.decide_from(1, signals(system=0.99))  # health below the alarm
     assert decision.interval == 50  # 100 · (1 − 0.95) = 5, clamped up
 
 
 def test_score_reduction_is_capped_at_95_percent() -> None:
-    policy = SchedulerPolicy(base_interval=500, min_interval=1)
+    policy = SchedulerPolicy(base_interval=500, min_interval=1, weights=SYSTEM_ONLY)
     scheduler = AdaptiveCheckpointScheduler(policy)
-    assert scheduler.decide_from(1, signals(loss=1.0, grad=1.0, system=1.0)).interval == 25
+    assert scheduler.decide_from(1, signals(system=0.99)).interval == 25
 
 
 def test_interval_rounds_half_up() -> None:
     # base 25 · (1 − 0.5) = 12.5 → 13 (Python's round() would give 12).
-    weights = SchedulerWeights(loss=0.5, grad=0.25, system=0.25)
+    weights = SchedulerWeights(loss=0.25, grad=0.5, system=0.25)
     policy = SchedulerPolicy(base_interval=25, min_interval=1, weights=weights)
     scheduler = AdaptiveCheckpointScheduler(policy)
-    assert scheduler.decide_from(1, signals(loss=1.0)).interval == 13
+    assert scheduler.decide_from(1, signals(grad=1.0)).interval == 13
+
+
+@pytest.mark.parametrize(
+    ("given", "interval"),
+    [
+        (signals(loss=1.0, system=1.0), 100),
+        (signals(grad=0.4), 86),  # 100 · (1 − 0.35 · 0.4)
+        (signals(system=0.4), 90),  # health 0.4: 100 · (1 − 0.25 · 0.4)
+        # The hazard the grad raised explains the system signal: no health reading in it.
+        (signals(grad=1.0, system=1.0), 65),
+    ],
+)
+def test_only_grad_and_health_shorten_the_interval(given: dict[str, float], interval: int) -> None:
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_threshold=1.0))
+    assert scheduler.decide_from(1, given).interval == interval
+
+
+def test_the_hazard_a_loss_change_raised_is_not_read_as_health() -> None:
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_threshold=1.0))
+    assert scheduler.decide_from(1, signals(loss=1.0, system=1.0)).interval == 100
+    assert scheduler.decide_from(2, signals(system=0.99)).interval == 100  # its hazard
+    # A health reading above the hazard left is health: at 1.0, an alarm.
+    assert scheduler.decide_from(3, signals(system=1.0)).reason.startswith("alarm")
 
 
 def test_signals_are_clamped_and_nan_counts_as_zero() -> None:
@@ -390,18 +417,43 @@ def test_signals_are_clamped_and_nan_counts_as_zero() -> None:
 def test_trigger_threshold_saves_now_once_per_rising_edge() -> None:
     scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
     high = signals(loss=1.0, grad=1.0)  # 0.4 + 0.35 = 0.75 >= 0.7
-    assert not any(d.save for d in run_calm(scheduler, range(1, 6)))
-    first = scheduler.decide_from(6, high)
-    assert first.save and first.reason.startswith("trigger")
-    assert first.interval == 25  # round(100 · 0.25)
+    assert not any(d.save for d in run_calm(scheduler, range(1, 56)))
+    first = scheduler.decide_from(56, high)  # 56 steps since the start: past the refractory 50
+    assert first.save and first.reason == "trigger: score 0.75 >= 0.7"
+    assert first.interval == 65  # round(100 · (1 − 0.35)): the grad part only
     assert first.retention_class is RetentionClass.IMPORTANT  # 0.75: >= 0.5, < 0.8
-    assert scheduler.decide_from(6, high).save is False  # not twice at the same step
-    sustained = [scheduler.decide_from(step, high) for step in range(7, 60)]
-    assert saved_steps(sustained) == [31, 56]  # the shortened interval, not every step
+    assert scheduler.decide_from(56, high).save is False  # not twice at the same step
+    sustained = [scheduler.decide_from(step, high) for step in range(57, 200)]
+    assert saved_steps(sustained) == [121, 186]  # the interval in force, not every step
     assert all(d.reason.startswith("interval") for d in sustained if d.save)
-    scheduler.decide_from(60, CALM)  # the score falls: the trigger re-arms
-    again = scheduler.decide_from(61, high)
+    scheduler.decide_from(200, CALM)  # the score falls: the trigger re-arms
+    again = scheduler.decide_from(240, high)
     assert again.save and again.reason.startswith("trigger")
+
+
+def test_a_trigger_within_the_refractory_period_is_passed_over() -> None:
+    # Against uniform failures a save soon after another costs nearly as much as a whole one
+    # and protects almost nothing; the edge is used up, so no save follows while it lasts.
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
+    high = signals(loss=1.0, grad=1.0)
+    run_calm(scheduler, range(1, 101))  # saved at 100
+    early = [scheduler.decide_from(step, high) for step in range(149, 166)]
+    assert saved_steps(early) == [165]  # 149 is 49 steps after it: the interval (65) saves
+    assert early[0].reason == "not due"
+    anytime = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_refractory_fraction=0.0))
+    run_calm(anytime, range(1, 101))
+    assert anytime.decide_from(101, high).reason.startswith("trigger")
+
+
+def test_the_refractory_period_follows_the_young_daly_base() -> None:
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
+    scheduler.set_cost_model(save_seconds=2.0, mtbf_seconds=1800.0, step_seconds=2.0)
+    assert scheduler.base_interval < 100
+    refractory = scheduler.base_interval / 2
+    high = signals(loss=1.0, grad=1.0)
+    step = math.ceil(refractory)
+    run_calm(scheduler, range(1, step))
+    assert scheduler.decide_from(step, high).reason.startswith("trigger")
 
 
 def test_every_tenth_save_is_an_organ() -> None:
@@ -473,20 +525,92 @@ def test_emergency_is_deferred_past_a_step_already_saved() -> None:
     assert scheduler.decide_from(101, signals(hard_errors=1.0)).emergency
 
 
-def test_retention_class_follows_the_score() -> None:
+def test_retention_class_follows_the_score_never_critical_in_a_loss_excursion() -> None:
     retention = RetentionPolicy(critical_score=0.8, important_score=0.5)
-    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_threshold=1.0), retention)
+    weights = SchedulerWeights(loss=0.1, grad=0.5, system=0.4)
+    policy = SchedulerPolicy(trigger_threshold=1.0, weights=weights)
+    scheduler = AdaptiveCheckpointScheduler(policy, retention)
     cases = [
-        (signals(grad=1.0), RetentionClass.ROUTINE),  # 0.35
-        (signals(loss=1.0, system=1.0), RetentionClass.IMPORTANT),  # 0.65
-        (signals(loss=1.0, grad=1.0, system=1.0), RetentionClass.CRITICAL),  # 1.0
+        (signals(grad=0.4), RetentionClass.ROUTINE),  # 0.2
+        (signals(loss=1.0, grad=0.4, system=0.6), RetentionClass.IMPORTANT),  # 0.54
+        (signals(grad=1.0, system=1.0), RetentionClass.CRITICAL),  # 0.9, the loss calm
+        # 1.0, but the loss may already be in a spike: a possibly damaged state is not kept
+        # forever.
+        (signals(loss=1.0, grad=1.0, system=1.0), RetentionClass.IMPORTANT),
+        (signals(loss=0.49, grad=1.0, system=1.0), RetentionClass.CRITICAL),  # 0.949
     ]
     step = 0
     for given, expected in cases:
         step += 200
         decision = scheduler.decide_from(step, given)
         assert decision.save
-        assert decision.retention_class is expected
+        assert decision.retention_class is expected, given
+
+
+# -- scheduler: health alarm ----------------------------------------------------------------
+
+
+def run_health(
+    scheduler: AdaptiveCheckpointScheduler, steps: range, throttled: range
+) -> list[CheckpointDecision]:
+    """A flat loss; the health probe reads 1 (throttling, slow IO) on the ``throttled`` steps."""
+    return [
+        scheduler.decide(step, 1.0, system=SystemHealth(signal=float(step in throttled)))
+        for step in steps
+    ]
+
+
+def test_a_health_alarm_saves_at_once_and_every_min_interval_while_it_lasts() -> None:
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy())
+    decisions = run_health(scheduler, range(1, 200), throttled=range(31, 51))
+    saves = [d for d in decisions if d.save]
+    assert [d.step for d in saves] == [31, 41, 138]
+    assert saves[0].reason == "alarm: health 1.00 >= 1"
+    assert saves[1].reason == "interval: 10 steps since last save (interval 10)"
+    # After it, the hazard the readings left shortens the interval a while: 100 · (1 − 0.25h),
+    # h = 1 − (t − 50) / 100; at step 138 the interval (97) has passed since step 41.
+    assert decisions[50].interval == 75  # step 51: h = 0.99
+    assert decisions[137].interval == 97
+    assert [d.retention_class for d in saves] == [RetentionClass.ROUTINE] * 3
+
+
+def test_the_alarm_level_is_a_policy_setting() -> None:
+    policy = SchedulerPolicy(system=SystemSignalPolicy(alarm_signal=0.5))
+    scheduler = AdaptiveCheckpointScheduler(policy)
+    run_calm(scheduler, range(1, 20))
+    assert scheduler.decide_from(20, signals(system=0.6)).reason == "alarm: health 0.60 >= 0.5"
+    assert scheduler.decide_from(21, signals(system=0.6)).interval == 10
+    assert not scheduler.decide_from(21, signals(system=0.6)).save
+    default = AdaptiveCheckpointScheduler(SchedulerPolicy())
+    run_calm(default, range(1, 20))
+    assert not default.decide_from(20, signals(system=0.6)).save  # below 1.0: interval 85
+
+
+def test_a_loss_or_grad_precursor_raises_no_alarm() -> None:
+    # Their hazard lifts the system signal to 1 as much as a health reading does.
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(trigger_threshold=1.0))
+    run_calm(scheduler, range(1, 20))
+    for step, given in ((20, signals(loss=1.0, system=1.0)), (21, signals(system=0.99)),
+                        (40, signals(grad=1.0, system=1.0)), (41, signals(system=0.99))):
+        decision = scheduler.decide_from(step, given)
+        assert not decision.save and decision.reason == "not due", step
+
+
+def test_every_rank_takes_the_same_alarm_decision() -> None:
+    ranks = [AdaptiveCheckpointScheduler(SchedulerPolicy()) for _ in range(2)]
+    saved = []
+    for step in range(1, 80):
+        health = (SystemHealth(signal=float(30 <= step < 45)), SystemHealth())
+        measured = [
+            rank.measure(step, 1.0 + 0.01 * (step % 3), system=reading)
+            for rank, reading in zip(ranks, health, strict=True)
+        ]
+        agreed = {key: max(m[key] for m in measured) for key in SIGNAL_KEYS}
+        decisions = [rank.decide_from(step, agreed) for rank in ranks]
+        assert decisions[0] == decisions[1]
+        if decisions[0].save:
+            saved.append((step, decisions[0].reason.split(":")[0]))
+    assert saved == [(30, "alarm"), (40, "interval")]
 
 
 # -- scheduler: non-finite values -----------------------------------------------------------

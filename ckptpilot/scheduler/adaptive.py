@@ -4,7 +4,7 @@ This module owns :class:`AdaptiveCheckpointScheduler`, the pure decision at each
 from the loss, the gradient-norm probes and a health reading it derives three signals, a
 score, the interval in force, and whether a pulse or organ is due now. It also owns the save
 bookkeeping the decision depends on (last save step, saves since the last organ, the hard-error
-reading last acted on, whether the score trigger is armed).
+reading last acted on, whether the score trigger is armed, whether a health alarm is on).
 
 It must not do I/O, read a clock, import numpy or torch, or talk to other ranks: health
 readings, costs and agreed signals arrive as data, and the caller (the pilot) does the saving,
@@ -48,15 +48,31 @@ class AdaptiveCheckpointScheduler:
        :data:`SIGNAL_KEYS` order), then :meth:`decide_from` with the agreed signals. Every
        rank then holds the same bookkeeping and takes the same decision.
 
-    Rules (SPEC §4), with the choices the spec leaves open:
+    Rules (SPEC §4), with the choices the spec leaves open. Against failures that strike at
+    random, evenly spaced saves lose the least for their number, so every save off the beat
+    must buy something: only a sign that a crash or a loss spike is coming moves one.
 
     * score = w_loss·loss + w_grad·grad + w_system·system, each signal clamped to [0, 1]
-      (NaN counts as 0); interval = clamp(round_half_up(base·(1 − min(score, 0.95))),
-      min_interval, max_interval), ``base`` being :attr:`base_interval`.
+      (NaN counts as 0): the unusualness of the step, logged, and what the trigger tests.
+    * health = the part of the system signal the training signals do not explain: the
+      scheduler keeps its own hazard of the steps where the (agreed) loss or grad signal
+      reached 0.5 or a value was non-finite, over ``system.hazard_window_steps``, and health
+      is the system signal where it exceeds that hazard, else 0 — a health probe's reading,
+      or the hazard a health reading left.
+    * interval = clamp(round_half_up(base·(1 − min(w_grad·grad + w_system·health, 0.95))),
+      min_interval, max_interval), ``base`` being :attr:`base_interval`. The loss signal
+      and the hazard it raises do not shorten it: a loss that moves (a faster descent, a
+      plateau, a spike already under way) is no warning of a crash, and the saves it would
+      add cluster where uniform failures punish clustering most.
     * A save is due when ``step − last save step ≥ interval``. A score reaching
-      ``trigger_threshold`` saves at once, on the rising edge only: while the score stays at
-      or above the threshold the (shortened) interval rule applies, so a long fast-change
-      phase does not save every step. The trigger re-arms when the score falls below.
+      ``trigger_threshold`` saves at once, on the rising edge only, and only when at least
+      ``trigger_refractory_fraction`` × base steps have passed since the last save (an edge
+      sooner is passed over: the last save is recent). While the score stays at or above the
+      threshold the interval rule applies, so a long fast-change phase does not save every
+      step. The trigger re-arms when the score falls below.
+    * Health alarm: health ≥ ``system.alarm_signal`` (throttling, slow IO, a recent hard
+      error: the precursors of a crash) saves at once when it starts and holds the interval at
+      ``min_interval`` while it lasts, so the newest save stays close when the crash comes.
     * A step is saved at most once: nothing is saved at the step of the last save (a repeated
       decision, or the step :meth:`note_save` reported).
     * New hard errors save an organ at once (``emergency``, class critical). ``measure``
@@ -71,13 +87,16 @@ class AdaptiveCheckpointScheduler:
       Emergency organs (and organs passed to :meth:`note_save`) restart that count: an organ
       is a fresh self-contained base, and ``organ_every`` bounds the saves since the last one.
     * A non-finite loss or grad norm gives ``save=False, non_finite=True`` and changes no
-      bookkeeping, the trigger's arming included. (In a distributed run the pilot decides
-      step t from the signals agreed at step t − 1, so another rank's non-finite value holds
-      back the save one step later.) The trackers never saw the value (see ``signals.py``),
-      but the loss signal is 1 for that step and the hazard window starts, so the interval
-      shortens for the finite steps that follow.
+      save bookkeeping, the trigger's and the alarm's arming included. (In a distributed run
+      the pilot decides step t from the signals agreed at step t − 1, so another rank's
+      non-finite value holds back the save one step later.) The trackers never saw the value
+      (see ``signals.py``), but the loss signal is 1 for that step and both hazard windows
+      start: the system signal stays raised for a while, and none of it reads as health.
     * Retention class from the score at save time: ≥ ``critical_score`` critical,
-      ≥ ``important_score`` important, else routine; emergency saves are critical.
+      ≥ ``important_score`` important, else routine; emergency saves are critical. While the
+      loss signal is at or above 0.5 a save is at most important: the loss may already be in
+      a spike's excursion, and a possibly damaged state must not be kept forever (the pilot
+      promotes the save before a confirmed spike's onset, the one a rollback returns to).
     """
 
     def __init__(self, policy: SchedulerPolicy, retention: RetentionPolicy | None = None) -> None:
@@ -86,6 +105,7 @@ class AdaptiveCheckpointScheduler:
         self._loss = LossChange(policy.loss)
         self._grad = GradActivity(policy.grad)
         self._hazard = Hazard(policy.system.hazard_window_steps)
+        self._training_hazard = Hazard(policy.system.hazard_window_steps)
         weights = policy.weights
         self._w_loss, self._w_grad, self._w_system = weights.loss, weights.grad, weights.system
         self._base = policy.base_interval
@@ -94,6 +114,7 @@ class AdaptiveCheckpointScheduler:
         self._hard_errors_reading = 0
         self._hard_errors_acted_on = 0
         self._trigger_armed = True
+        self._alarm_on = False
         self._non_finite_note: tuple[int, str] | None = None
         self._bad_costs_reported: set[str] = set()
 
@@ -160,6 +181,7 @@ class AdaptiveCheckpointScheduler:
         """The run was restored to ``step``: a precursor seen after it keeps the hazard
         raised from ``step`` on (a rollback returns to just before the trouble)."""
         self._hazard.restart(step)
+        self._training_hazard.restart(step)
 
     def note_save(self, step: int, level: Level | str) -> None:
         """Record a save the scheduler did not decide (forced, or the restored checkpoint)."""
@@ -246,41 +268,56 @@ class AdaptiveCheckpointScheduler:
         new_hard_errors = float(signals["hard_errors"])
         if not (math.isfinite(new_hard_errors) and new_hard_errors >= 0):
             raise ValueError(f"hard_errors must be a count >= 0, got {new_hard_errors!r}")
+        non_finite = signals["non_finite"] > 0
+        training_precursor = non_finite or loss >= PRECURSOR_SIGNAL or grad >= PRECURSOR_SIGNAL
+        training_hazard = self._training_hazard.update(step, training_precursor)
+        health = system if system > training_hazard else 0.0
+        alarm = health >= self.policy.system.alarm_signal
         score = self._w_loss * loss + self._w_grad * grad + self._w_system * system
-        interval = self._interval_for(score)
+        interval = self._interval_for(self._w_grad * grad + self._w_system * health)
+        if alarm:
+            interval = self.policy.min_interval
+        klass = self._class_for(score, loss)
         clean = {"loss": loss, "grad": grad, "system": system}
 
-        if signals["non_finite"] > 0:
+        if non_finite:
             reason = self._non_finite_reason(step)
             if new_hard_errors:
                 reason += "; emergency save deferred"
-            return self._decision(step, None, interval, score, clean, reason, non_finite=True)
+            return self._decision(step, None, interval, score, clean, reason, klass,
+                                  non_finite=True)
 
         threshold = self.policy.trigger_threshold
         triggered = self._trigger_armed and score >= threshold
         self._trigger_armed = score < threshold
+        alarm_started = alarm and not self._alarm_on
+        self._alarm_on = alarm
         if step == self._last_save_step:
             reason = "already saved at this step"
             if new_hard_errors:
                 reason += "; emergency save deferred"
-            return self._decision(step, None, interval, score, clean, reason)
+            return self._decision(step, None, interval, score, clean, reason, klass)
 
         if new_hard_errors:
             self._hard_errors_acted_on = self._hard_errors_reading
             self._record_save(step, Level.ORGAN)
             reason = f"emergency: {new_hard_errors:g} new hard error(s)"
-            return self._decision(step, Level.ORGAN, interval, score, clean, reason, emergency=True)
-        if triggered:
+            return self._decision(step, Level.ORGAN, interval, score, clean, reason, klass,
+                                  emergency=True)
+        since = step - self._last_save_step
+        refractory = self.policy.trigger_refractory_fraction * self._base
+        if alarm_started:
+            reason = f"alarm: health {health:.2f} >= {self.policy.system.alarm_signal:g}"
+        elif triggered and since >= refractory:
             reason = f"trigger: score {score:.2f} >= {threshold:g}"
         else:
-            since = step - self._last_save_step
             if since < interval:
-                return self._decision(step, None, interval, score, clean, "not due")
+                return self._decision(step, None, interval, score, clean, "not due", klass)
             reason = f"interval: {since} steps since last save (interval {interval})"
         organ_due = self._saves_since_organ + 1 >= self.policy.organ_every
         level = Level.ORGAN if organ_due else Level.PULSE
         self._record_save(step, level)
-        return self._decision(step, level, interval, score, clean, reason)
+        return self._decision(step, level, interval, score, clean, reason, klass)
 
     def _decision(
         self,
@@ -290,11 +327,12 @@ class AdaptiveCheckpointScheduler:
         score: float,
         signals: dict[str, float],
         reason: str,
+        klass: RetentionClass,
         *,
         emergency: bool = False,
         non_finite: bool = False,
     ) -> CheckpointDecision:
-        """A save when ``level`` is set; emergency saves are critical, others classed by score."""
+        """A save when ``level`` is set; emergency saves are critical, others ``klass``."""
         return CheckpointDecision(
             step=step,
             save=level is not None,
@@ -302,7 +340,7 @@ class AdaptiveCheckpointScheduler:
             interval=interval,
             score=score,
             signals=signals,
-            retention_class=RetentionClass.CRITICAL if emergency else self._class_for(score),
+            retention_class=RetentionClass.CRITICAL if emergency else klass,
             reason=reason,
             emergency=emergency,
             non_finite=non_finite,
@@ -314,8 +352,8 @@ class AdaptiveCheckpointScheduler:
         interval = math.floor(reduced + 0.5)
         return min(max(interval, self.policy.min_interval), self.policy.max_interval)
 
-    def _class_for(self, score: float) -> RetentionClass:
-        if score >= self.retention.critical_score:
+    def _class_for(self, score: float, loss: float) -> RetentionClass:
+        if score >= self.retention.critical_score and loss < PRECURSOR_SIGNAL:
             return RetentionClass.CRITICAL
         if score >= self.retention.important_score:
             return RetentionClass.IMPORTANT
