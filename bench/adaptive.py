@@ -5,14 +5,18 @@ loss, gradient norm, step seconds, from real runs by ``bench/record_traces.py``)
 :class:`AdaptiveCheckpointScheduler` through its public API only, and the saves it decides are
 compared with two fixed schedules **at the same number of saves** (iso-cost):
 
-* ``fixed``: a save every ``I`` steps, ``I`` the integer whose count ⌊T / I⌋ over the trace's
-  ``T`` steps is nearest the adaptive run's count (the smaller ``I`` on a tie);
+* ``fixed``: a save every ``I`` steps, ``I`` the integer whose count ⌊(T − 1) / I⌋ over the
+  trace's ``T`` steps is nearest the adaptive run's count (the smaller ``I`` on a tie);
 * ``Young–Daly-fixed``: a save every τ seconds of the trace's own wall time. Daly's optimum
   τ = daly_interval(save cost, MTBF) assumes a constant period *in time*; at iso-cost its
   value is set by the count alone (saves at k·τ, k = 1 … n, τ = total time / (n + 1)), so
   what remains of Young–Daly is the rule "equal time between saves", which differs from
   "equal steps" wherever step times vary. The unscaled Daly τ for ``--save-seconds`` and
   ``--mtbf-seconds`` is printed for reference only.
+
+Counts leave out a save at the trace's last step: no failure in the replay can use it (a
+failure at step f restarts from a save at f − 1 at the latest), while a real run goes on and
+would: counting it charged a periodic schedule whose period divides T one useless save.
 
 Pure replay, no training: the scheduler takes its signals as data. The policy is the default
 one except for lengths scaled to the traces' few hundred steps (``--base-interval``, minimum
@@ -28,30 +32,50 @@ replay does not roll back: failures are evaluated on one pass of the trace.
   cluster, as fitted to HPC logs), its mean gap a third of the trace, started at a uniform
   random phase;
 * ``precursor p soft`` / ``precursor p hard``: Poisson failures, ``--precursor-failures`` per
-  pass of the trace; a fraction ``p`` of them is preceded for ``--precursor-window`` W steps
+  pass of the trace (default 1); a fraction ``p`` of them is preceded for
+  ``--precursor-window`` W steps
   by health readings with ``signal=1.0`` (what ``HealthMonitor`` reports for severe throttling
   or sustained slow IO); every other step gets a healthy reading. ``hard``: each window also
   starts with one new hard GPU error (the monitor's cumulative ``hard_errors`` count rises by
   one), which the scheduler answers with an emergency organ. The adaptive run is replayed once
   per seed with that seed's readings, and the fixed schedules are tuned to that replay's
-  count.
+  count. Why 1 failure per pass: the traces' passes hold 12-20 saves, so 1 failure per pass
+  is an MTBF of 12-20 save intervals; a schedule at Young's optimum τ = √(2·C·MTBF) has
+  MTBF / τ = √(MTBF / 2C), 10-25 for a save cost C of 10 s to 1 min against an MTBF of
+  3 hours. With 4 per pass (MTBF 3-5 intervals: a run redoing a fifth of its work) every
+  alarm window's extra saves weigh four times as much against the iso-cost fixed schedule;
+  ``--precursor-failures 4`` gives that stress case. The windows come only before failures
+  here: false alarms, which cost saves and save nothing, are not modelled.
 
-Spikes: an onset is a step whose loss is non-finite, or above ``--spike-factor`` (1.25) times
-the largest loss of the previous 20 steps (higher than anything seen lately), with no such step
-in the 10 before it; the onsets found are printed per trace. The rule is the bench's ground
-truth, independent of the scheduler's detectors, and it is not scale-free: minibatch noise on
-a loss near 0 passes it too. The rollback distance of a spike is onset − the newest save
-*before* the onset that retention keeps: :func:`ckptpilot.retention.plan_retention` (default
-policy) is applied to all the run's saves at the end of the trace (a save kept then was kept
-by every earlier prune: quotas only shrink as saves are added), each save one valid row with
-its decision's level and retention class; the fixed schedules' saves are ``routine``, every
-``organ_every``-th an organ. No kept save before the onset rolls back to step 0. "kept k/n"
-counts the spikes whose newest save before the onset survives the prune; "unpruned" gives the
-median distance to that newest save, kept or not (what the schedule alone achieved).
+Spikes. The spikes a rollback acts on are the ones the pilot's :class:`SpikeDetector`
+confirms (``RollbackPolicy`` defaults: a loss above 2× the median of the last 50 losses for 3
+steps, or non-finite), fed the trace's losses as the pilot feeds them; each has an onset and a
+confirmation step. At each confirmation the pilot promotes the newest save before the onset,
+and every save in [onset − ``baseline_window``, onset), to ``important`` if it was ``routine``:
+the replay of the adaptive schedule does exactly that. Plain fixed schedules have no one to
+promote their saves (no tool does), so the goal's baselines are unpromoted; the cell also gives
+the fixed schedules *with* the same promotion, which shows how much of the gain is the
+promotion's rather than the schedule's. The rollback distance of a spike is onset − the newest
+save *before* the onset that retention keeps: :func:`ckptpilot.retention.plan_retention`
+(default policy) is applied to all the run's saves, with their final classes, at the end of
+the trace — a late prune, as when a person looks back at a spike long after it. Each save is
+one valid row with its decision's level and retention class; the fixed schedules' saves are
+``routine``, every ``organ_every``-th an organ. No kept save before the onset rolls back to
+step 0. "kept k/n" counts the spikes whose newest save before the onset survives the prune;
+"unpruned" gives the median distance to that newest save, kept or not (what the schedule alone
+achieved). A prune that runs between an onset and its confirmation (``patience`` − 1 steps)
+could remove the point before the promotion; the replay does not model it.
 
-Quiet phases: steps more than ``--quiet-margin`` steps from every spike onset and outside every
-precursor window (and its failure step); the column gives the saves taken there (mean over
-seeds).
+A second column measures the same distances against the bench's own rule, independent of any
+detector: an onset is a step whose loss is non-finite, or above ``--spike-factor`` (1.25)
+times the largest loss of the previous 20 steps, with no such step in the 10 before it. It
+finds divergences the detector misses (a single-step jump, a rise under 2×) but is not
+scale-free: minibatch noise on a loss near 0 passes it too. Promotion there is still the
+detector's.
+
+Quiet phases: steps more than ``--quiet-margin`` steps from every onset of either kind and
+outside every precursor window (and its failure step), the last step excepted; the column
+gives the saves taken there (mean over seeds).
 
 Variance: the uniform and Weibull models draw ``--failures`` failures in each of ``--seeds``
 seeds, the precursor models ``--precursor-failures`` in each of ``--precursor-seeds`` seeds
@@ -61,8 +85,9 @@ interval over seeds. Spike and quiet numbers of the uniform and Weibull rows com
 deterministic replay without precursors; in the precursor rows they pool every seed.
 
 Goals (issue): uniform lost ≤ 1.05× fixed; precursor p = 0.5 lost ≤ 0.7× fixed; spikes median
-rollback ≤ 0.25× fixed with the rollback point kept; quiet saves ≤ 1.1× fixed. Each is judged
-against the *stricter* of the two fixed baselines (the larger ratio).
+rollback ≤ 0.25× fixed with the rollback point kept (on the detector's spikes); quiet saves
+≤ 1.1× fixed. Each is judged against the *stricter* of the two fixed baselines (the larger
+ratio).
 
 Usage, from the repository root: ``.venv/bin/python bench/adaptive.py [--seeds 40]``.
 """
@@ -88,11 +113,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ckptpilot
-from ckptpilot.policy import RetentionPolicy, SchedulerPolicy
+from ckptpilot.policy import RetentionPolicy, RollbackPolicy, SchedulerPolicy
 from ckptpilot.retention import plan_retention
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import SystemHealth
 from ckptpilot.scheduler.ledger import daly_interval
+from ckptpilot.scheduler.spike import SpikeDetector
 
 TRACES = Path(__file__).resolve().parent / "traces"
 SPIKE_HISTORY_STEPS = 20
@@ -211,9 +237,17 @@ def _routine(steps: Sequence[int], organ_every: int) -> list[Save]:
     ]
 
 
+def useful_saves(saves: Sequence[Save], trace: Trace) -> int:
+    """Saves before the trace's last step: a save at that step protects only steps the replay
+    does not have (a failure at step f uses the saves up to f − 1), so it is not counted."""
+    return sum(1 for save in saves if save.step < trace.steps)
+
+
 def fixed_steps(trace: Trace, count: int, organ_every: int) -> tuple[list[Save], int]:
-    """Every I steps, I giving the count nearest ``count`` (smaller I on a tie)."""
-    best = min(range(1, trace.steps + 1), key=lambda i: (abs(trace.steps // i - count), i))
+    """Every I steps, I giving the useful count ⌊(T − 1) / I⌋ nearest ``count`` (smaller I on a
+    tie)."""
+    last = trace.steps - 1
+    best = min(range(1, trace.steps + 1), key=lambda i: (abs(last // i - count), i))
     return _routine(range(best, trace.steps + 1, best), organ_every), best
 
 
@@ -245,6 +279,36 @@ def steps_lost(saves: Sequence[Save], failure_steps: Sequence[int]) -> list[int]
         index = bisect.bisect_right(steps, done)
         lost.append(done - (steps[index - 1] if index else 0))
     return lost
+
+
+def detector_spikes(trace: Trace, policy: RollbackPolicy) -> list[tuple[int, int]]:
+    """(onset, confirmation step) of each spike the pilot's :class:`SpikeDetector` confirms."""
+    detector = SpikeDetector(policy)
+    found = []
+    for step, loss in enumerate(trace.losses, start=1):
+        spike = detector.update(step, loss)
+        if spike is not None:
+            found.append((spike.onset, spike.step))
+    return found
+
+
+def promote(
+    saves: Sequence[Save], spikes: Sequence[tuple[int, int]], baseline_window: int
+) -> list[Save]:
+    """The saves as the pilot leaves them once each spike is confirmed: the newest save before
+    the onset, and every save in [onset − ``baseline_window``, onset), ``important`` if they
+    were ``routine`` (critical ones stay critical)."""
+    steps = [save.step for save in saves]
+    promoted: set[int] = set()
+    for onset, _ in spikes:
+        newest = bisect.bisect_left(steps, onset)
+        first = min(bisect.bisect_left(steps, onset - baseline_window), max(newest - 1, 0))
+        promoted.update(range(first, newest))
+    return [
+        Save(save.step, save.level, "important")
+        if i in promoted and save.retention_class == "routine" else save
+        for i, save in enumerate(saves)
+    ]
 
 
 def spike_onsets(trace: Trace, factor: float) -> list[int]:
@@ -293,8 +357,9 @@ def rollbacks(saves: Sequence[Save], onsets: Sequence[int]) -> list[Rollback]:
     return result
 
 
-def quiet_saves(saves: Sequence[Save], quiet: Callable[[int], bool]) -> int:
-    return sum(1 for save in saves if quiet(save.step))
+def quiet_saves(saves: Sequence[Save], quiet: Callable[[int], bool], trace: Trace) -> int:
+    """Saves in quiet steps, the last step's excepted (not counted as cost either)."""
+    return sum(1 for save in saves if save.step < trace.steps and quiet(save.step))
 
 
 def uniform_failures(trace: Trace, rng: random.Random, count: int) -> list[int]:
@@ -315,25 +380,39 @@ def weibull_failures(trace: Trace, rng: random.Random, count: int, shape: float)
     return [min(step, trace.steps) for step in failures]
 
 
+DETECTED = ("adaptive", "fixed", "yd", "fixed+promotion", "yd+promotion")
+"""Schedules measured on the detector's spikes; only ``adaptive`` and ``…+promotion`` are
+promoted, as the pilot promotes its own saves and a plain fixed schedule has no one to."""
+
+
 @dataclass
 class Outcome:
     """Per seed: mean steps lost and failure count; per schedule: every spike's rollback."""
 
     lost: list[tuple[float, float, float]]
     failures: list[int]
-    rollback: tuple[list[Rollback], list[Rollback], list[Rollback]]
+    detected: dict[str, list[Rollback]]
+    ruled: dict[str, list[Rollback]]
     spikes: int
+    rule_spikes: int
     quiet: list[tuple[int, int, int]]
     saves: list[int]
     fixed_interval: list[int]
 
 
 def evaluate(
-    trace: Trace, model: str, args: argparse.Namespace, policy: SchedulerPolicy
+    trace: Trace,
+    model: str,
+    args: argparse.Namespace,
+    policy: SchedulerPolicy,
+    rollback: RollbackPolicy,
 ) -> Outcome:
-    onsets = spike_onsets(trace, args.spike_factor)
+    spikes = detector_spikes(trace, rollback)
+    onsets = [onset for onset, _ in spikes]
+    rule = spike_onsets(trace, args.spike_factor)
     organ_every = policy.organ_every
-    outcome = Outcome([], [], ([], [], []), len(onsets), [], [], [])
+    outcome = Outcome([], [], {name: [] for name in DETECTED},
+                      {name: [] for name in DETECTED[:3]}, len(onsets), len(rule), [], [], [])
     baseline = replay_adaptive(trace, policy, health_readings(trace.steps, (), hard=False))
     deterministic = model in ("uniform", "weibull")
     seeds = args.seeds if deterministic else args.precursor_seeds
@@ -355,27 +434,37 @@ def evaluate(
                     windows.append(range(max(1, failed - args.precursor_window), failed))
             readings = health_readings(trace.steps, windows, hard=kind == "hard")
             adaptive = replay_adaptive(trace, policy, readings)
-        fixed, interval = fixed_steps(trace, len(adaptive), organ_every)
-        timed, _ = fixed_time(trace, len(adaptive), organ_every)
+        count = useful_saves(adaptive, trace)
+        fixed, interval = fixed_steps(trace, count, organ_every)
+        timed, _ = fixed_time(trace, count, organ_every)
         schedules = (adaptive, fixed, timed)
         lost = [steps_lost(schedule, failures) for schedule in schedules]
         outcome.lost.append((statistics.fmean(lost[0]), statistics.fmean(lost[1]),
                              statistics.fmean(lost[2])))
         outcome.failures.append(len(failures))
-        outcome.saves.append(len(adaptive))
+        outcome.saves.append(count)
         outcome.fixed_interval.append(interval)
         blocked = {s for w in windows for s in range(w.start, w.stop + 1)}
-
         def quiet(step: int, blocked: set[int] = blocked) -> bool:
-            near = any(abs(step - onset) <= args.quiet_margin for onset in onsets)
-            return not near and step not in blocked
+            close = any(abs(step - onset) <= args.quiet_margin for onset in (*onsets, *rule))
+            return not close and step not in blocked
 
-        counts = [quiet_saves(schedule, quiet) for schedule in schedules]
+        counts = [quiet_saves(schedule, quiet, trace) for schedule in schedules]
         outcome.quiet.append((counts[0], counts[1], counts[2]))
         if deterministic and seed > 0:
             continue  # the replay without precursors is the same in every seed
-        for index, schedule in enumerate(schedules):
-            outcome.rollback[index].extend(rollbacks(schedule, onsets))
+        window = rollback.baseline_window
+        measured = {
+            "adaptive": promote(adaptive, spikes, window),
+            "fixed": fixed,
+            "yd": timed,
+            "fixed+promotion": promote(fixed, spikes, window),
+            "yd+promotion": promote(timed, spikes, window),
+        }
+        for name in DETECTED:
+            outcome.detected[name].extend(rollbacks(measured[name], onsets))
+        for name in DETECTED[:3]:
+            outcome.ruled[name].extend(rollbacks(measured[name], rule))
     return outcome
 
 
@@ -416,6 +505,25 @@ def _worst(*ratios: float) -> float:
     return max(defined) if defined else math.nan
 
 
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else math.nan
+
+
+def _median_kept(rows: Sequence[Rollback]) -> float:
+    return statistics.median(r.kept_distance for r in rows)
+
+
+def _spike_cell(measured: dict[str, list[Rollback]]) -> tuple[float, str, int, int]:
+    """Adaptive vs the two plain baselines: ratio, cell text, rollback points kept, spikes."""
+    kept = [_median_kept(measured[name]) for name in DETECTED[:3]]
+    ratio = _worst(_ratio(kept[0], kept[1]), _ratio(kept[0], kept[2]))
+    survived = sum(r.survived for r in measured["adaptive"])
+    total = len(measured["adaptive"])
+    text = (f"{kept[0]:g} / {kept[1]:g} / {kept[2]:g} = {_fmt(ratio)}; "
+            f"kept {survived}/{total}")
+    return ratio, text, survived, total
+
+
 def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
     lost = outcome.lost
     mean = [statistics.fmean(x[i] for x in lost) for i in range(3)]
@@ -430,20 +538,23 @@ def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
     elif model.startswith("precursor p=0.5"):
         verdicts.append(f"precursor lost ≤ 0.7×: {_verdict(lost_ratio <= 0.7)}")
     if outcome.spikes:
-        kept = [statistics.median(r.kept_distance for r in rows) for rows in outcome.rollback]
-        raw = [statistics.median(r.any_distance for r in rows) for rows in outcome.rollback]
-        spike_ratio = _worst(kept[0] / kept[1] if kept[1] else math.nan,
-                             kept[0] / kept[2] if kept[2] else math.nan)
-        survived = sum(r.survived for r in outcome.rollback[0])
-        total = len(outcome.rollback[0])
-        spike_cell = (
-            f"{outcome.spikes}: {kept[0]:g} / {kept[1]:g} / {kept[2]:g} = {_fmt(spike_ratio)}; "
-            f"kept {survived}/{total}; unpruned {raw[0]:g} / {raw[1]:g} / {raw[2]:g}"
-        )
+        spike_ratio, cell, survived, total = _spike_cell(outcome.detected)
+        promoted = [_median_kept(outcome.detected[name]) for name in DETECTED[3:]]
+        raw = [statistics.median(r.any_distance for r in outcome.detected[name])
+               for name in DETECTED[:3]]
+        fair = _worst(*(_ratio(_median_kept(outcome.detected["adaptive"]), x)
+                        for x in promoted))
+        spike_cell = (f"{outcome.spikes}: {cell}; both promoted: fixed / YD "
+                      f"{promoted[0]:g} / {promoted[1]:g} = {_fmt(fair)}; unpruned "
+                      f"{raw[0]:g} / {raw[1]:g} / {raw[2]:g}")
         met = spike_ratio <= 0.25 and survived == total
         verdicts.append(f"spikes ≤ 0.25× & kept: {_verdict(met)}")
     else:
         spike_cell = "0: no spike"
+    if outcome.rule_spikes:
+        rule_cell = f"{outcome.rule_spikes}: {_spike_cell(outcome.ruled)[1]}"
+    else:
+        rule_cell = "0: no onset"
     quiet = outcome.quiet
     q_mean = [statistics.fmean(x[i] for x in quiet) for i in range(3)]
     q_ratio = _worst(q_mean[0] / q_mean[1] if q_mean[1] else math.nan,
@@ -457,6 +568,7 @@ def table_row(trace: Trace, model: str, outcome: Outcome) -> list[str]:
         f"{_fmt(r_fixed)} [{_fmt(lo_fixed)}, {_fmt(hi_fixed)}]",
         f"{_fmt(r_time)} [{_fmt(lo_time)}, {_fmt(hi_time)}]",
         spike_cell,
+        rule_cell,
         f"{q_mean[0]:.1f} / {q_mean[1]:.1f} / {q_mean[2]:.1f} = {_fmt(q_ratio)}",
         "; ".join(verdicts),
     ]
@@ -468,10 +580,10 @@ def main() -> None:
                         help="seeds of the uniform and Weibull models")
     parser.add_argument("--failures", type=int, default=200,
                         help="failures per seed, uniform and Weibull models")
-    parser.add_argument("--precursor-seeds", type=int, default=200,
+    parser.add_argument("--precursor-seeds", type=int, default=400,
                         help="seeds of the precursor models (one replay each)")
     parser.add_argument("--base-interval", type=int, default=25)
-    parser.add_argument("--precursor-failures", type=int, default=4,
+    parser.add_argument("--precursor-failures", type=int, default=1,
                         help="failures per pass of the trace in the precursor models")
     parser.add_argument("--precursor-window", type=int, default=10, help="W, in steps")
     parser.add_argument("--weibull-shape", type=float, default=0.7)
@@ -487,6 +599,7 @@ def main() -> None:
 
     started = time.perf_counter()
     policy = bench_policy(args.base_interval)
+    rollback = RollbackPolicy()
     paths = sorted(TRACES.glob("*.csv"))
     if args.only:
         wanted = set(args.only.split(","))
@@ -505,15 +618,23 @@ def main() -> None:
     print(f"policy: base_interval {policy.base_interval}, min {policy.min_interval}, max "
           f"{policy.max_interval}, hazard window {policy.system.hazard_window_steps}, grad probe "
           f"every step, other settings default; retention default")
+    print(f"spike detector: the pilot's, rollback policy defaults (factor "
+          f"{rollback.spike_factor:g} over the median of the last {rollback.baseline_window} "
+          f"losses, patience "
+          f"{rollback.patience}); at each confirmation the adaptive schedule's newest save "
+          f"before the onset and its saves in [onset - {rollback.baseline_window}, onset) "
+          f"become important")
     print(f"seeds {args.seeds}; {args.failures} failures per seed (uniform, weibull shape "
           f"{args.weibull_shape}); precursor: {args.precursor_failures} failures per pass, "
-          f"W = {args.precursor_window} steps; spike: loss > {args.spike_factor}x the max of the "
-          f"previous {SPIKE_HISTORY_STEPS} steps; quiet: > {args.quiet_margin} steps from a "
-          f"spike")
+          f"W = {args.precursor_window} steps; rule onsets: loss > {args.spike_factor}x the max "
+          f"of the previous {SPIKE_HISTORY_STEPS} steps; quiet: > {args.quiet_margin} steps "
+          f"from every onset")
     header = ["trace", "failure model (seeds×failures)", "adaptive saves (fixed I, steps)",
               "steps lost per failure: adaptive / fixed / YD (mean±std over seeds)",
               "lost ratio ad/fixed [95 % CI]", "lost ratio ad/YD [95 % CI]",
-              "spikes: median rollback, kept saves, ad / fixed / YD = ratio; newest kept",
+              "detector spikes: median rollback after prune ad / fixed / YD = ratio; newest "
+              "save before the onset kept; both promoted; unpruned",
+              "rule onsets: median rollback ad / fixed / YD = ratio; kept",
               "quiet-phase saves ad / fixed / YD = ratio", "goals (vs the stricter baseline)"]
     print()
     print("| " + " | ".join(header) + " |")
@@ -523,14 +644,16 @@ def main() -> None:
         step_s = statistics.fmean(trace.step_seconds)
         daly = daly_interval(args.save_seconds, args.mtbf_seconds) / step_s
         for model in (m for m in MODELS if m.startswith(args.models)):
-            cells = table_row(trace, model, evaluate(trace, model, args, policy))
+            cells = table_row(trace, model, evaluate(trace, model, args, policy, rollback))
             print("| " + " | ".join(cells) + " |")
         plain = replay_adaptive(trace, policy, health_readings(trace.steps, (), hard=False))
         gaps = [b.step - a.step for a, b in itertools.pairwise(plain)]
+        detected = ", ".join(f"{onset}→{step}" for onset, step in detector_spikes(trace, rollback))
         print(f"| {trace.name} | (reference) | Daly τ for save {args.save_seconds:g} s, MTBF "
               f"{args.mtbf_seconds:g} s: {daly:.0f} steps at {step_s * 1000:.2f} ms/step | "
               f"adaptive gaps without precursors: min {min(gaps)}, median "
-              f"{statistics.median(gaps):g}, max {max(gaps)} steps | | | spike onsets: "
+              f"{statistics.median(gaps):g}, max {max(gaps)} steps | | | detector spikes "
+              f"(onset→confirmed): {detected or 'none'} | rule onsets: "
               f"{', '.join(map(str, spike_onsets(trace, args.spike_factor))) or 'none'} | | |")
     print()
     print(f"wall time {time.perf_counter() - started:.0f} s")
