@@ -50,18 +50,20 @@ replay does not roll back: failures are evaluated on one pass of the trace.
 Spikes. The spikes a rollback acts on are the ones the pilot's :class:`SpikeDetector`
 confirms (``RollbackPolicy`` defaults: a loss above 2× the median of the last 50 losses for 3
 steps, or non-finite), fed the trace's losses as the pilot feeds them; each has an onset and a
-confirmation step. At each confirmation the pilot promotes the newest save before the onset,
-and every save in [onset − ``baseline_window``, onset), to ``important`` if it was ``routine``:
-the replay of the adaptive schedule does exactly that. Plain fixed schedules have no one to
+confirmation step. The loss of step t comes from the weights saved at t − 1, so the save at
+``onset − 1`` is suspect and the rollback point is the newest save *before* ``onset − 1``. At
+each confirmation the pilot promotes it, and every save in [onset − 1 − ``baseline_window``,
+onset − 1), to ``important`` if it was ``routine``: the replay of the adaptive schedule does
+exactly that. Plain fixed schedules have no one to
 promote their saves (no tool does), so the goal's baselines are unpromoted; the cell also gives
 the fixed schedules *with* the same promotion, which shows how much of the gain is the
 promotion's rather than the schedule's. The rollback distance of a spike is onset − the newest
-save *before* the onset that retention keeps: :func:`ckptpilot.retention.plan_retention`
+save before ``onset − 1`` that retention keeps: :func:`ckptpilot.retention.plan_retention`
 (default policy) is applied to all the run's saves, with their final classes, at the end of
 the trace — a late prune, as when a person looks back at a spike long after it. Each save is
 one valid row with its decision's level and retention class; the fixed schedules' saves are
-``routine``, every ``organ_every``-th an organ. No kept save before the onset rolls back to
-step 0. "kept k/n" counts the spikes whose newest save before the onset survives the prune;
+``routine``, every ``organ_every``-th an organ. No kept rollback point rolls back to
+step 0. "kept k/n" counts the spikes whose rollback point survives the prune;
 "unpruned" gives the median distance to that newest save, kept or not (what the schedule alone
 achieved). A prune that runs between an onset and its confirmation (``patience`` − 1 steps)
 could remove the point before the promotion; the replay does not model it.
@@ -296,13 +298,15 @@ def promote(
     saves: Sequence[Save], spikes: Sequence[tuple[int, int]], baseline_window: int
 ) -> list[Save]:
     """The saves as the pilot leaves them once each spike is confirmed: the newest save before
-    the onset, and every save in [onset − ``baseline_window``, onset), ``important`` if they
-    were ``routine`` (critical ones stay critical)."""
+    ``onset − 1`` (the suspect step: its weights gave the onset's loss), and every save in
+    [onset − 1 − ``baseline_window``, onset − 1), ``important`` if they were ``routine``
+    (critical ones stay critical)."""
     steps = [save.step for save in saves]
     promoted: set[int] = set()
     for onset, _ in spikes:
-        newest = bisect.bisect_left(steps, onset)
-        first = min(bisect.bisect_left(steps, onset - baseline_window), max(newest - 1, 0))
+        suspect = onset - 1
+        newest = bisect.bisect_left(steps, suspect)
+        first = min(bisect.bisect_left(steps, suspect - baseline_window), max(newest - 1, 0))
         promoted.update(range(first, newest))
     return [
         Save(save.step, save.level, "important")
@@ -328,12 +332,12 @@ def spike_onsets(trace: Trace, factor: float) -> list[int]:
 
 @dataclass(frozen=True)
 class Rollback:
-    """One spike under one schedule: distances back to the newest save before the onset."""
+    """One spike under one schedule: distances from the onset back to the rollback point."""
 
     kept_distance: int
-    """To the newest save before the onset that the prune keeps (to step 0 if none)."""
+    """To the newest save before ``onset − 1`` that the prune keeps (to step 0 if none)."""
     any_distance: int
-    """To the newest save before the onset, kept or not: what the schedule alone achieved."""
+    """To the newest save before ``onset − 1``, kept or not: what the schedule achieved."""
     survived: bool
     """Whether that newest save survives the prune."""
 
@@ -346,8 +350,8 @@ def rollbacks(saves: Sequence[Save], onsets: Sequence[int]) -> list[Rollback]:
     every = [s.step for s in saves]
     result = []
     for onset in onsets:
-        index = bisect.bisect_left(kept, onset)
-        newest = bisect.bisect_left(every, onset)
+        index = bisect.bisect_left(kept, onset - 1)
+        newest = bisect.bisect_left(every, onset - 1)
         newest_step = every[newest - 1] if newest else 0
         result.append(Rollback(
             kept_distance=onset - (kept[index - 1] if index else 0),
@@ -622,8 +626,8 @@ def main() -> None:
           f"{rollback.spike_factor:g} over the median of the last {rollback.baseline_window} "
           f"losses, patience "
           f"{rollback.patience}); at each confirmation the adaptive schedule's newest save "
-          f"before the onset and its saves in [onset - {rollback.baseline_window}, onset) "
-          f"become important")
+          f"before onset - 1 and its saves in [onset - 1 - {rollback.baseline_window}, "
+          f"onset - 1) become important")
     print(f"seeds {args.seeds}; {args.failures} failures per seed (uniform, weibull shape "
           f"{args.weibull_shape}); precursor: {args.precursor_failures} failures per pass, "
           f"W = {args.precursor_window} steps; rule onsets: loss > {args.spike_factor}x the max "
@@ -633,7 +637,7 @@ def main() -> None:
               "steps lost per failure: adaptive / fixed / YD (mean±std over seeds)",
               "lost ratio ad/fixed [95 % CI]", "lost ratio ad/YD [95 % CI]",
               "detector spikes: median rollback after prune ad / fixed / YD = ratio; newest "
-              "save before the onset kept; both promoted; unpruned",
+              "save before onset - 1 kept; both promoted; unpruned",
               "rule onsets: median rollback ad / fixed / YD = ratio; kept",
               "quiet-phase saves ad / fixed / YD = ratio", "goals (vs the stricter baseline)"]
     print()
