@@ -10,6 +10,7 @@ from ckptpilot.errors import (
     IntegrityError,
     NoCheckpointError,
     PolicyError,
+    RollbackLimitError,
     RunDirBusyError,
     StateError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "RecoveryReport",
     "RecoverySource",
     "ResumableSampler",
+    "RollbackLimitError",
     "RunDirBusyError",
     "SaveRecord",
     "StateError",

@@ -5,6 +5,11 @@ progress on a pipe, SIGKILLs it mid-run, starts a second child that restores fro
 checkpoints and finishes, then prints a summary. The child (``python -m ckptpilot.demo``)
 trains a small character-level transformer on the source text of the Python standard library
 (no downloads) with a ``CheckpointPilot`` and reports JSON lines on stdout.
+
+At about a third of the run an operator's mistake is played out: the learning rate is raised
+:data:`BUMP` times for two steps, and the loss spikes. With the demo's policy (rollback on)
+the pilot rolls the run back to the checkpoint before the spike and skips its batches; the
+bump is not repeated once the run has rolled back (``pilot.rollbacks``).
 """
 
 from __future__ import annotations
@@ -32,11 +37,17 @@ from ckptpilot.sampler import ResumableSampler
 DEMO_MARKER = ".ckptpilot-demo"
 DEMO_POLICY = """\
 # Written by `ckptpilot demo` (no --config given): the reference policy with a short
-# interval so that a demo-sized run saves several times.
+# interval so that a demo-sized run saves several times, and instability rollback on.
 scheduler: {base_interval: 40, min_interval: 10, max_interval: 500}
+rollback: {enabled: true}
 """
 CONTEXT = 64
 BATCH = 32
+BUMP = 100.0
+"""The learning-rate multiplier of the demo's two-step mistake (AdamW: the loss goes from
+~2.3 to above 6 and takes tens of steps to come back)."""
+BUMP_MIN_STEPS = 100
+"""Runs shorter than this have no bump: the spike needs a baseline and a checkpoint before it."""
 
 
 # -- the training child --------------------------------------------------------------------
@@ -90,8 +101,11 @@ class DemoJob:
     sched: torch.optim.lr_scheduler.LRScheduler
     offsets: torch.Tensor
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step up to the pilot: returns (loss, grad norm before clipping)."""
+    def train_step(self, lr_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step up to the pilot: returns (loss, grad norm before clipping).
+
+        ``lr_factor`` scales this step's learning rate only: the schedule sets the next one.
+        """
         windows = self.text[self.sampler.take(BATCH)[:, None] + self.offsets].long()
         logits = self.model(windows[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256),
@@ -99,6 +113,9 @@ class DemoJob:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if lr_factor != 1.0:
+            for group in self.opt.param_groups:
+                group["lr"] *= lr_factor
         self.opt.step()
         self.sched.step()
         return loss, grad_norm
@@ -111,13 +128,27 @@ def build_demo_job(steps: int) -> DemoJob:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps,
                                                 pct_start=0.1)
-    return DemoJob(text, ResumableSampler(len(text) - CONTEXT - 1, seed=0), model, opt, sched,
-                   torch.arange(CONTEXT + 1))
+    return DemoJob(text, ResumableSampler(len(text) - CONTEXT - 1, seed=0, batch_size=BATCH),
+                   model, opt, sched, torch.arange(CONTEXT + 1))
 
 
 def _emit(out: TextIO, event: str, **fields: Any) -> None:
     out.write(json.dumps({"event": event, **fields}) + "\n")
     out.flush()
+
+
+def bump_step(steps: int) -> int | None:
+    """The first of the two steps whose learning rate the demo raises (None: no bump)."""
+    return int(steps * 0.35) if steps >= BUMP_MIN_STEPS else None
+
+
+def _decision_event(decision: Any) -> dict[str, Any]:
+    return {"step": decision.step, "save": decision.save,
+            "level": decision.level.value if decision.level else None,
+            "interval": decision.interval, "score": decision.score,
+            "signals": decision.signals, "retention": decision.retention_class.value,
+            "reason": decision.reason, "emergency": decision.emergency,
+            "spike_onset": decision.spike_onset, "rollback_to": decision.rollback_to}
 
 
 def train_child(run_dir: Path, config: Path, steps: int) -> None:
@@ -138,17 +169,23 @@ def train_child(run_dir: Path, config: Path, steps: int) -> None:
 
     tb = SummaryWriter(log_dir=str(pilot.run_dir / "tensorboard"))
     reported = 0
-    for step in range(start, steps):
-        loss, grad_norm = job.train_step()
+    bump = bump_step(steps)
+    step = start
+    while step < steps:
+        step += 1
+        mistake = bump is not None and bump <= step <= bump + 1 and not pilot.rollbacks
+        loss, grad_norm = job.train_step(BUMP if mistake else 1.0)
         decision = pilot.observe(loss, grad_norm=grad_norm)
         value = loss.item()
-        tb.add_scalar("train/loss", value, step + 1)
-        _emit(out, "step", step=step + 1, loss=value)
-        if decision.save:
-            _emit(out, "decision", step=decision.step, level=decision.level.value
-                  if decision.level else None, interval=decision.interval,
-                  score=decision.score, signals=decision.signals,
-                  retention=decision.retention_class.value, reason=decision.reason)
+        tb.add_scalar("train/loss", value, step)
+        _emit(out, "step", step=step, loss=value, lr_factor=BUMP if mistake else 1.0)
+        if decision.save or decision.score > 0 or decision.spike_onset is not None:
+            _emit(out, "decision", **_decision_event(decision))
+        if decision.rollback_to is not None:
+            event = pilot.rollbacks[-1]
+            _emit(out, "rollback", step=event.step, onset=event.onset, to=event.to_step,
+                  skipped=event.skipped_batches, reason=event.reason)
+            step = pilot.step
         for record in pilot.saves[reported:]:
             _emit(out, "save", step=record.step, bytes=record.bytes,
                   stall=record.stall_seconds, persist=record.persist_seconds)
@@ -169,6 +206,9 @@ class _Run:
     last_step: int = 0
     saves: list[dict[str, Any]] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
+    timeline: list[tuple[int, float, float]] = field(default_factory=list)  # step, loss, lr x
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
     stats: dict[str, Any] = field(default_factory=dict)
     returncode: int | None = None
@@ -199,6 +239,10 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
             elif kind == "step":
                 run.last_step = ev["step"]
                 run.losses[ev["step"]] = ev["loss"]
+                run.timeline.append((ev["step"], ev["loss"], ev["lr_factor"]))
+                if ev["lr_factor"] != 1.0:
+                    print(f"[{label}] step {ev['step']:>5}: learning rate x{ev['lr_factor']:g} "
+                          f"(the operator's mistake), loss {ev['loss']:.3f}")
                 if ev["step"] % 50 == 0 or ev["step"] == steps:
                     rate = (ev["step"] - run.restored.get("step", 0)) / (time.monotonic() - t0)
                     print(f"[{label}] step {ev['step']:>5}/{total}  loss {ev['loss']:.3f}  "
@@ -208,11 +252,12 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                     print(f"[{label}] SIGKILL sent at step {ev['step']}")
                     break
             elif kind == "decision":
-                sig = ev["signals"]
-                print(f"[{label}] step {ev['step']:>5}: {ev['level']:<5} checkpoint, "
-                      f"interval {ev['interval']:>3}, score {ev['score']:.2f} (loss "
-                      f"{sig['loss']:.0f} grad {sig['grad']:.0f} system {sig['system']:.0f}), "
-                      f"{ev['retention']}")
+                run.decisions.append(ev)
+                _print_decision(label, ev, run)
+            elif kind == "rollback":
+                run.rollbacks.append(ev)
+                print(f"[{label}] step {ev['step']:>5}: ROLLBACK to step {ev['to']} "
+                      f"({ev['reason']}); skipped {ev['skipped']} batches")
             elif kind == "save":
                 run.saves.append(ev)
             elif kind == "done":
@@ -220,6 +265,64 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                 run.stats = ev["stats"]
     finally:
         run.returncode = proc.wait()
+
+
+def _print_decision(label: str, ev: dict[str, Any], run: _Run) -> None:
+    """A save, a spike, or a score that moved by 0.1 or more since the last line printed."""
+    shown = [d for d in run.decisions[:-1] if d.get("printed")]
+    moved = not shown or abs(ev["score"] - shown[-1]["score"]) >= 0.1
+    if not (ev["save"] or ev["spike_onset"] is not None or moved):
+        return
+    ev["printed"] = True
+    sig = ev["signals"]
+    what = (f"{ev['level']:<5} checkpoint" if ev["save"]
+            else "spike confirmed " if ev["spike_onset"] is not None else "no save        ")
+    print(f"[{label}] step {ev['step']:>5}: {what}, interval {ev['interval']:>3}, score "
+          f"{ev['score']:.2f} (loss {sig['loss']:.2f} grad {sig['grad']:.2f} system "
+          f"{sig['system']:.2f}), {ev['retention']}: {ev['reason']}")
+
+
+def _trigger(ev: dict[str, Any]) -> str:
+    """What caused a save, from its reason: ``interval: ...``, ``trigger: ...`` and so on."""
+    if ev["emergency"]:
+        return "emergency"
+    head = ev["reason"].split(":", 1)[0].strip()
+    return "score" if head == "trigger" else head
+
+
+def _saves_by_trigger(decisions: list[dict[str, Any]]) -> str:
+    saves = [d for d in decisions if d["save"]]
+    counts: dict[str, int] = {}
+    for ev in saves:
+        counts[_trigger(ev)] = counts.get(_trigger(ev), 0) + 1
+    for name in ("interval", "score", "emergency"):
+        counts.setdefault(name, 0)
+    organs = sum(d["level"] == "organ" and not d["emergency"] for d in saves)
+    parts = ", ".join(f"{name} {n}" for name, n in counts.items())
+    return f"{parts}; {organs} of them organs (organ_every)"
+
+
+def _spike_story(runs: list[_Run], policy_rollback: bool) -> tuple[str, str]:
+    timeline = [t for run in runs for t in run.timeline]
+    bumped = [i for i, (_, _, factor) in enumerate(timeline) if factor != 1.0]
+    if not bumped:
+        return "none (runs of 100 steps or more raise the LR at a third of the run)", "none"
+    first = bumped[0]
+    before = timeline[first - 1][1] if first else None
+    peak = max((loss for _, loss, _ in timeline[first + 1:first + 6]), default=math.nan)
+    spike = (f"LR x{BUMP:g} at steps {timeline[first][0]}-{timeline[bumped[-1]][0]}: loss "
+             + (f"{before:.2f} → " if before is not None else "") + f"up to {peak:.2f}")
+    rollbacks = [r for run in runs for r in run.rollbacks]
+    if rollbacks:
+        r = rollbacks[0]
+        return spike, (f"confirmed at step {r['step']} (onset {r['onset']}); back to step "
+                       f"{r['to']}, {r['skipped']} batches skipped; {len(rollbacks)} rollback(s)")
+    spikes = [d for run in runs for d in run.decisions if d["spike_onset"] is not None]
+    if not policy_rollback:
+        return spike, ("off in this policy" + (f"; spike confirmed at step {spikes[0]['step']}, "
+                                               "the save before it kept as important"
+                                               if spikes else "; no spike confirmed"))
+    return spike, "no spike confirmed"
 
 
 def _interval_story(configured: int, stats: dict[str, Any]) -> str:
@@ -261,15 +364,19 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
         config.write_text(DEMO_POLICY)
     policy = load_policy(config, run_dir=run_dir)
     interval = policy.scheduler.base_interval
+    bump = bump_step(steps)
     kill_at = max(int(steps * 0.6), interval + interval // 2)
     if kill_at % interval == 0:
         kill_at += interval // 2
     kill_at = min(kill_at, steps - 1)
+    if bump is not None:
+        kill_at = max(kill_at, min(steps - 1, bump + interval + interval // 2))
     if kill_at <= interval:
         print(f"note: with {steps} steps and a {interval}-step interval no checkpoint exists "
               "before the crash; the second run starts over")
     print(f"ckptpilot demo: {steps} steps of a char-level transformer on stdlib text, "
-          f"checkpoint every {interval} steps, SIGKILL near step {kill_at}")
+          f"checkpoint every {interval} steps, SIGKILL near step {kill_at}"
+          + (f", learning rate x{BUMP:g} at steps {bump}-{bump + 1}" if bump else ""))
     print(f"run dir: {run_dir}")
     t0 = time.monotonic()
     first, second = _Run(), _Run()
@@ -286,9 +393,11 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
     stalls = [s["stall"] for s in saves]
     replayed = sorted(set(first.losses) & set(second.losses))
     identical = sum(first.losses[s] == second.losses[s] for s in replayed)
+    spike, rollback = _spike_story([first, second], policy.rollback.enabled)
+    rolled = sum(r["step"] - r["to"] for r in first.rollbacks + second.rollbacks)
     rows = [
         ("steps trained", f"{steps} (+{first.last_step - restored['step']} re-run after "
-                          "the crash)"),
+                          f"the crash, +{rolled} after the rollback)"),
         ("loss", f"{first.losses[1]:.3f} at step 1, {second.losses[steps]:.3f} at step {steps}"),
         ("replayed steps", f"{identical}/{len(replayed)} losses bit-identical to the run "
                            "before the crash"),
@@ -297,6 +406,9 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
         ("bytes written", f"{sum(s['bytes'] for s in saves) / 1e6:.1f} MB"),
         ("median stall per save", f"{statistics.median(stalls) * 1e3:.1f} ms"
          if stalls else "n/a"),
+        ("saves by trigger", _saves_by_trigger(first.decisions + second.decisions)),
+        ("loss spike", spike),
+        ("rollback", rollback),
         ("crash", f"SIGKILL of the training process at step {first.last_step}"),
         ("recovery source", f"{restored['source']} ({restored['location']})"),
         ("recovered step", str(restored["step"])),

@@ -46,5 +46,10 @@ class NoCheckpointError(CkptPilotError, LookupError):
     """A specific checkpoint was asked for and no valid one exists."""
 
 
+class RollbackLimitError(CkptPilotError, RuntimeError):
+    """Loss spikes came back after ``rollback.max_rollbacks`` rollbacks within
+    ``rollback.window_steps`` steps: rolling back again would loop, so the run stops."""
+
+
 class RunDirBusyError(CkptPilotError, RuntimeError):
     """Another live pilot holds this rank's lease on the run directory."""

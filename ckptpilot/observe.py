@@ -8,7 +8,8 @@ Every decision goes to ``decisions_rank_{rank:05d}.jsonl``. TensorBoard gets
 ``checkpoint/score``, ``checkpoint/interval``, ``checkpoint/level`` (0 heartbeat only, 1 pulse,
 2 organ) and the three signals (``checkpoint/signal_loss`` …) whenever one of them changes or
 a save happens — a flat curve costs nothing — and ``checkpoint/save_seconds``,
-``checkpoint/stall_seconds``, ``checkpoint/bytes`` for every completed save.
+``checkpoint/stall_seconds``, ``checkpoint/bytes`` for every completed save, and
+``checkpoint/rollback_to`` (the step returned to) at the step of each instability rollback.
 """
 
 from __future__ import annotations
@@ -102,9 +103,13 @@ class Telemetry:
                 "step": d.step, "save": d.save, "level": d.level.value if d.level else None,
                 "interval": d.interval, "score": round(d.score, 6), "signals": d.signals,
                 "retention_class": d.retention_class.value, "reason": d.reason,
+                **({"spike_onset": d.spike_onset} if d.spike_onset is not None else {}),
+                **({"rollback_to": d.rollback_to} if d.rollback_to is not None else {}),
             }) + "\n")
         if not self._tensorboard:
             return
+        if d.rollback_to is not None:
+            self._tb().add_scalar("checkpoint/rollback_to", d.rollback_to, global_step=d.step)
         sig = d.signals
         scalars = (d.score, float(d.interval), float(level), sig.get("loss", 0.0),
                    sig.get("grad", 0.0), sig.get("system", 0.0))

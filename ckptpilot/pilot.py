@@ -44,7 +44,7 @@ import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -59,15 +59,18 @@ from ckptpilot.errors import (
     CheckpointWriteError,
     CkptPilotError,
     NoCheckpointError,
+    PolicyError,
+    RollbackLimitError,
 )
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.rundir import RunLease, run_identity
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
-from ckptpilot.scheduler.decision import CheckpointDecision, Level
+from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass
 from ckptpilot.scheduler.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
 from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
-from ckptpilot.scheduler.ledger import FailureLedger
+from ckptpilot.scheduler.ledger import FailureLedger, Rollback
+from ckptpilot.scheduler.spike import Spike, SpikeDetector
 from ckptpilot.state import (
     HostBufferPool,
     Snapshot,
@@ -209,6 +212,7 @@ MAX_RECOVERY_WALK = 5
 _FAILED = -2  # sent instead of a step by a rank whose restore planning raised
 _ALWAYS_REPORTED = 1 << 62  # a "missing" entry newer than any step: reported on every outcome
 _AGREE_STEPS = 32  # candidates per rank exchanged at restore (a walk tries at most ~12)
+_NO_ONSET = -1e18  # the agreed "minus onset" of a step where no rank confirmed a spike
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -332,6 +336,12 @@ class CheckpointPilot:
         self._previous_heartbeat: HeartbeatRecord | None = read_latest(hb_path)
         self._heartbeat = HeartbeatWriter(hb_path)
         self._ledger = FailureLedger(self.run_dir / f"ledger_rank_{self.rank:05d}.jsonl")
+        self._check_rollback_setup()
+        self._rollbacks = self._ledger.rollbacks()
+        self._spikes = SpikeDetector(self.policy.rollback)
+        self._spike: tuple[int, str] | None = None  # (onset, reason) agreed at this step
+        self._protected_onset: int | None = None
+        self._local_spike: tuple[int, str] | None = None  # sent in the last agreement
         self._run_started = False
         self._health: HealthMonitor | None = None
         if self.policy.scheduler.weights.system > 0:
@@ -395,6 +405,10 @@ class CheckpointPilot:
         decision = self._decide()
         if step % self.policy.levels.heartbeat.every == 0:
             self._write_heartbeat()
+        if self._spike is not None:
+            decision = self._on_spike(decision, *self._spike)
+        self.last_decision = decision
+        self._telemetry.decision(decision)
         if decision.save and decision.level is not None:
             self._save(_SaveRequest(decision.level.value, decision.reason,
                                     decision.retention_class.value, decision.score))
@@ -459,6 +473,8 @@ class CheckpointPilot:
             self.step = self._base_step + self._optimizer_steps
             if self._optimizer_steps >= 2:
                 decision = self._decide()
+                self.last_decision = decision
+                self._telemetry.decision(decision)
                 if decision.save and decision.level is not None:
                     self._save(_SaveRequest(decision.level.value, decision.reason,
                                             decision.retention_class.value, decision.score))
@@ -482,21 +498,22 @@ class CheckpointPilot:
         system = self._health.snapshot() if self._health is not None else None
         costs = {"save_seconds": self._save_cost,
                  "mtbf_seconds": self._mtbf_seconds, "step_seconds": self._step_seconds}
+        spike = (None if self.last_loss is None
+                 else self._spikes.update(self.step, self.last_loss))
         if self._distributed:
             # Decide from the signals agreed over the previous step, then measure this one
             # and start its reduction: measuring after deciding lets an emergency decision
             # reset the hard-error reference before the next reduction carries it again.
-            signals, agreed_costs = self._agreed()
+            signals, agreed_costs, self._spike = self._agreed()
             self.scheduler.set_cost_model(**agreed_costs)
             decision = self.scheduler.decide_from(self.step, signals)
             self._start_agreement(
-                self.scheduler.measure(self.step, self.last_loss, grad, system), costs)
+                self.scheduler.measure(self.step, self.last_loss, grad, system), costs, spike)
         else:
             local = self.scheduler.measure(self.step, self.last_loss, grad, system)
             self.scheduler.set_cost_model(**costs)
             decision = self.scheduler.decide_from(self.step, local)
-        self.last_decision = decision
-        self._telemetry.decision(decision)
+            self._spike = None if spike is None else (spike.onset, spike.reason)
         if decision.non_finite:
             self._non_finite_steps += 1
             if self._non_finite_steps == 1 or self._non_finite_steps % 100 == 0:
@@ -504,23 +521,33 @@ class CheckpointPilot:
                             decision.reason, self._non_finite_steps)
         return decision
 
-    def _agreed(self) -> tuple[dict[str, float], dict[str, float | None]]:
-        """The element-wise max over ranks of the previous step's signals and costs (zeros
-        right after a start or restore, on every rank alike)."""
-        n = len(SIGNAL_KEYS)
+    def _agreed(self) -> tuple[dict[str, float], dict[str, float | None],
+                               tuple[int, str] | None]:
+        """The element-wise max over ranks of the previous step's signals and costs, and the
+        earliest onset of a spike any rank confirmed then (zeros and no spike right after a
+        start or restore, on every rank alike)."""
+        n, m = len(SIGNAL_KEYS), len(SIGNAL_KEYS) + len(_COST_KEYS)
         if self._agree_work is None:
-            return dict.fromkeys(SIGNAL_KEYS, 0.0), dict.fromkeys(_COST_KEYS)
+            return dict.fromkeys(SIGNAL_KEYS, 0.0), dict.fromkeys(_COST_KEYS), None
         self._agree_work.wait()
         agreed = self._agree_buffer.tolist()  # type: ignore[union-attr]
         signals = dict(zip(SIGNAL_KEYS, agreed[:n], strict=True))
-        return signals, {k: (v if v > 0 else None)
-                         for k, v in zip(_COST_KEYS, agreed[n:], strict=True)}
+        costs = {k: (v if v > 0 else None) for k, v in zip(_COST_KEYS, agreed[n:m], strict=True)}
+        spike = None
+        if agreed[m] > _NO_ONSET:
+            onset = int(-agreed[m])
+            mine = self._local_spike
+            spike = (onset, mine[1] if mine is not None and mine[0] == onset
+                     else f"a loss spike since step {onset} on another rank")
+        return signals, costs, spike
 
     def _start_agreement(self, local: Mapping[str, float],
-                         costs: Mapping[str, float | None]) -> None:
+                         costs: Mapping[str, float | None], spike: Spike | None) -> None:
         """One tiny non-blocking collective per step; consumed at the next step."""
         values = [local[k] for k in SIGNAL_KEYS]
         values += [-1.0 if costs[k] is None else float(costs[k]) for k in _COST_KEYS]  # type: ignore[arg-type]
+        values.append(_NO_ONSET if spike is None else -float(spike.onset))
+        self._local_spike = None if spike is None else (spike.onset, spike.reason)
         self._agree_buffer = torch.tensor(values, dtype=torch.float64,
                                           device=self._collective_device)
         self._agree_work = torch.distributed.all_reduce(
@@ -792,14 +819,25 @@ class CheckpointPilot:
         A pin left by ``ckptpilot recover --step N`` selects step N (any status with
         ``--force``) and is consumed. When the previous run of this ``run_dir`` died, the
         interruption goes into the failure ledger (it feeds the Young–Daly bound).
+
+        Restoring the step an instability rollback returned to skips again the batches that
+        rollback skipped (the checkpoint's data cursor predates the skip), so a crash right
+        after a rollback resumes on the same data as the run it interrupted.
         """
         self._check_open()
+        restored = self._restore(step)
+        assert restored is not None
+        return restored
+
+    def _restore(self, step: int | None, before: int | None = None) -> int | None:
+        """``restore()``; with ``before`` (a rollback): the newest step below it, no pin, no
+        ledger lifecycle records, and None, with nothing changed, when no such step loads."""
         t0 = time.perf_counter()
         failure: BaseException | None = None
         plan: _RestorePlan | None = None
         try:
             self.flush()
-            plan = self._plan_restore(step)
+            plan = self._plan_restore(step, before)
         except BaseException as e:
             if not self._distributed:
                 raise
@@ -837,13 +875,20 @@ class CheckpointPilot:
             skipped += [m for s, m in plan.missing if s > target]
             self._after_restore(target, read.level)
             self.last_recovery = self._report(read.source, target, read.level.value, t0,
-                                              read.location, skipped, read.bytes_read)
+                                              read.location, skipped, read.bytes_read,
+                                              lifecycle=before is None)
+            if before is None:
+                self._skip_again_after(target)
             if plan.pinned:
                 self._consume_pin(target, plan.forced)
             log.info("restored step %d from %s in %.2f s", target, read.location,
                      self.last_recovery.seconds)
             return target
         skipped += [m for _, m in plan.missing]
+        if before is not None:
+            for item in skipped:
+                log.warning("cannot roll back to %s: %s", item.location, item.reason)
+            return None
         refuse = bool(skipped) or plan.step is not None
         if self._distributed:
             refuse = self._vote(int(not refuse)) == 0
@@ -853,22 +898,25 @@ class CheckpointPilot:
         self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None, skipped)
         return 0
 
-    def _plan_restore(self, step: int | None) -> _RestorePlan:
-        """This rank's candidates, per step and fastest source first (rank-local: no
-        collective)."""
+    def _plan_restore(self, step: int | None, before: int | None = None) -> _RestorePlan:
+        """This rank's candidates (all below ``before`` if given), per step and fastest
+        source first (rank-local: no collective)."""
         forced = pinned = False
         pin = self.run_dir / RECOVER_PIN
-        if step is None and pin.exists():
+        if step is None and before is None and pin.exists():
             pinned_step = json.loads(pin.read_text())
             step, forced = int(pinned_step["step"]), bool(pinned_step.get("force", False))
             pinned = True
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
         candidates, missing, digests = self._recovery_candidates()
+        if before is not None:
+            candidates = [c for c in candidates if c.step < before]
+            missing = [(s, m) for s, m in missing if s < before]
         if forced:
             candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
         plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
-        options = self._restore_options(plan, step, forced, digests)
+        options = self._restore_options(plan, step, forced, digests, before)
         return _RestorePlan(
             step=step, forced=forced, pinned=pinned, options=options,
             steps=sorted(options, reverse=True), missing=missing,
@@ -886,16 +934,19 @@ class CheckpointPilot:
                 f"{first.reason}")
 
     def _restore_options(self, plan: RecoveryPlan, step: int | None, forced: bool,
-                         digests: Mapping[int, str]) -> dict[int, list[_RestoreOption]]:
+                         digests: Mapping[int, str], before: int | None
+                         ) -> dict[int, list[_RestoreOption]]:
         """For each step this rank could restore, its sources, fastest first."""
         options: dict[int, list[_RestoreOption]] = {}
+        below = math.inf if before is None else before
         held = self.memory.newest() if self.memory is not None and not forced else None
-        if held is not None and (step is None or held.step == step):
+        if held is not None and held.step < below and (step is None or held.step == step):
             options.setdefault(held.step, []).append(_RestoreOption(
                 f"memory:step {held.step}", partial(self._read_memory, held), (),
                 lambda error: None))
         newest_remote = plan.attempts[0].step if plan.attempts else -1
-        for target in self._peer_targets(step, newest_remote) if not forced else []:
+        peer_steps = self._peer_targets(step, newest_remote) if not forced else []
+        for target in (t for t in peer_steps if t < below):
             assert self.peers is not None
             options.setdefault(target, []).append(_RestoreOption(
                 f"peer:{self.peers.run_id}/{target}", partial(self._read_peer, target),
@@ -1110,6 +1161,124 @@ class CheckpointPilot:
         if isinstance(error, CheckpointFormatError):
             self._mark_failed_on_restore(step, "remote", error)
 
+    # -- instability rollback --------------------------------------------------------------
+
+    @property
+    def rollbacks(self) -> tuple[Rollback, ...]:
+        """The instability rollbacks this rank of the run has made, oldest first (from the
+        failure ledger: they survive a restart)."""
+        return tuple(self._rollbacks)
+
+    def _check_rollback_setup(self) -> None:
+        """Rollback skips batches through the data state: refuse, before training, a setup
+        where that cannot happen rather than fail at the first spike."""
+        rollback = self.policy.rollback
+        if not rollback.enabled or rollback.skip_batches == 0:
+            return
+        data = self.components.data_state
+        if data is None or not callable(getattr(data, "skip_batches", None)):
+            what = "no data_state" if data is None else f"a {type(data).__name__}"
+            raise PolicyError(
+                "rollback.skip_batches",
+                f"rollback is enabled and skips batches, but the pilot has {what}, without "
+                "skip_batches(n); pass data_state=ResumableSampler(..., batch_size=B) (or a "
+                "data state with skip_batches), or set rollback.skip_batches: 0")
+        if getattr(data, "batch_size", 0) is None:
+            raise PolicyError(
+                "rollback.skip_batches",
+                "rollback is enabled and skips batches, but the data_state sampler has no "
+                "batch size; build it as ResumableSampler(..., batch_size=B)")
+
+    def _on_spike(self, decision: CheckpointDecision, onset: int,
+                  reason: str) -> CheckpointDecision:
+        """A confirmed loss spike: keep the newest save before it, and roll back to it when
+        rollback is enabled (the decision then saves nothing: the live state is damaged).
+
+        "Before it" means before step ``onset − 1``: the loss of step t is computed with the
+        weights of checkpoint t − 1, so the onset's high loss already indicts the state saved
+        at the step before it; the checkpoint of ``onset − 2`` produced a normal loss.
+        """
+        suspect = onset - 1
+        if self._protected_onset != onset:
+            self._protected_onset = onset
+            self._inflight.append((self.step, self._executor.submit(self._protect_before,
+                                                                    suspect)))
+        if not self.policy.rollback.enabled:
+            log.warning("loss spike at step %d: %s; the newest checkpoint before step %d is "
+                        "kept as important (rollback is off)", self.step, reason, suspect)
+            return replace(decision, spike_onset=onset)
+        target = self._rollback(onset, reason)
+        if target is None:
+            return replace(decision, spike_onset=onset,
+                           reason=f"{decision.reason}; spike since step {onset} not rolled "
+                                  f"back: no checkpoint before step {suspect} loads")
+        return replace(decision, save=False, level=None, spike_onset=onset, rollback_to=target,
+                       reason=f"rollback to step {target}: {reason}")
+
+    def _protect_before(self, suspect: int) -> None:
+        """On the writer thread, after every save queued before it: class the newest save
+        before ``suspect``, and the saves within ``baseline_window`` steps before it,
+        ``important`` at least, so that pruning keeps the rollback point."""
+        rows = [row for row in self.store.rows(self.run_id, rank=self.rank,
+                                               status=(Status.VALID, Status.PENDING))
+                if row.step < suspect]
+        if not rows:
+            return
+        newest = max(row.step for row in rows)
+        first = suspect - self.policy.rollback.baseline_window
+        for row in rows:
+            if ((row.step == newest or row.step >= first)
+                    and row.retention_class is RetentionClass.ROUTINE):
+                self.store.mark(row.key, row.status,
+                                retention_class=RetentionClass.IMPORTANT.value,
+                                note=f"kept: saved before the loss spike of step {suspect + 1}")
+
+    def _rollback(self, onset: int, reason: str) -> int | None:
+        """Restore the newest checkpoint before ``onset − 1`` (see :meth:`_on_spike`), skip
+        the configured batches and record it; None (nothing changed) when none loads."""
+        rollback = self.policy.rollback
+        detected = self.step
+        # A resume after a rollback skips its batches again (see restore()), so it never
+        # meets the same spike twice: every recorded rollback counts.
+        count = 1 + sum(event.step > detected - rollback.window_steps
+                        for event in self._rollbacks)
+        if count > rollback.max_rollbacks:
+            raise RollbackLimitError(
+                f"rank {self.rank}: loss spike at step {detected} ({reason}) would be rollback "
+                f"{count} within {rollback.window_steps} steps (rollback.max_rollbacks = "
+                f"{rollback.max_rollbacks}): the instability keeps coming back; lower the "
+                "learning rate or inspect the data, then resume (`ckptpilot ls` shows the "
+                "checkpoints before the spikes)")
+        target = self._restore(None, before=onset - 1)
+        if target is None:
+            log.warning("loss spike at step %d (%s): no checkpoint before step %d loads; "
+                        "training goes on without a rollback", detected, reason, onset - 1)
+            return None
+        skip = (detected - target) if rollback.skip_batches is None else rollback.skip_batches
+        if skip:
+            self.components.data_state.skip_batches(skip)  # type: ignore[union-attr]
+        self._rollbacks.append(self._ledger.record_rollback(
+            step=detected, onset=onset, to_step=target, skipped_batches=skip, reason=reason))
+        self._spikes.forget_excursion()
+        if self._agree_work is not None:
+            # The reduction started at this step may carry the same spike from a rank that
+            # confirmed it a step later: every rank drops it, and starts afresh.
+            self._agree_work.wait()
+            self._agree_work = None
+        log.warning("rolled back from step %d to step %d (%s); skipped %d batches", detected,
+                    target, reason, skip)
+        return target
+
+    def _skip_again_after(self, step: int) -> None:
+        """After restoring the step a rollback returned to, skip the batches it skipped."""
+        for event in reversed(self._rollbacks):
+            if event.to_step == step:
+                if event.skipped_batches and self.components.data_state is not None:
+                    self.components.data_state.skip_batches(event.skipped_batches)  # type: ignore[attr-defined]
+                    log.info("step %d is where the rollback of step %d returned to: skipped "
+                             "its %d batches again", step, event.step, event.skipped_batches)
+                return
+
     def _after_restore(self, step: int, level: Level | None) -> None:
         if self.memory is not None:
             self.memory.drop_after(step)
@@ -1130,8 +1299,14 @@ class CheckpointPilot:
 
     def _report(self, source: RecoverySource, step: int, level: str | None, t0: float,
                 location: str | None, skipped: list[SkippedCheckpoint],
-                bytes_read: int = 0) -> RecoveryReport:
+                bytes_read: int = 0, *, lifecycle: bool = True) -> RecoveryReport:
+        """The report of a restore; with ``lifecycle`` (not a rollback) the ledger also gets
+        the dead run's interruption, if there was one, and this run's start."""
         seconds = time.perf_counter() - t0
+        if not lifecycle:
+            return RecoveryReport(source=source, step=step, level=level, seconds=seconds,
+                                  steps_lost=None, location=location, skipped=tuple(skipped),
+                                  bytes_read=bytes_read)
         hb = self._previous_heartbeat
         steps_lost = None
         if hb is not None and hb.step is not None:

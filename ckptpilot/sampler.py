@@ -49,12 +49,16 @@ class ResumableSampler(Sampler[int]):
     """
 
     def __init__(
-        self, data_source_or_len: Sized | int, *, seed: int = 0, shuffle: bool = True
+        self, data_source_or_len: Sized | int, *, seed: int = 0, shuffle: bool = True,
+        batch_size: int | None = None,
     ) -> None:
         super().__init__()
         n = data_source_or_len if isinstance(data_source_or_len, int) else len(data_source_or_len)
         if n < 1:
             raise ValueError(f"ResumableSampler needs at least one sample, got n={n}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"ResumableSampler batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
         self.n = n
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
@@ -96,6 +100,27 @@ class ResumableSampler(Sampler[int]):
         if not chunks:
             return torch.empty(0, dtype=torch.long)
         return torch.cat(chunks) if len(chunks) > 1 else chunks[0].clone()
+
+    def skip_batches(self, batches: int) -> None:
+        """Move the cursor ``batches`` × ``batch_size`` indices on, crossing epochs like
+        :meth:`take`: the instability rollback skips the data around a loss spike this way.
+
+        Raises ``ValueError`` when the sampler was built without ``batch_size`` (a batch has
+        no size to skip by) or for a negative count.
+        """
+        if self.batch_size is None:
+            raise ValueError(
+                "ResumableSampler.skip_batches needs the batch size: build the sampler with "
+                "ResumableSampler(..., batch_size=B)")
+        if batches < 0:
+            raise ValueError(f"skip_batches needs batches >= 0, got {batches}")
+        remaining = batches * self.batch_size
+        while remaining > 0:
+            if self.position >= self.n:
+                self._next_epoch()
+            stop = min(self.n, self.position + remaining)
+            remaining -= stop - self.position
+            self.position = stop
 
     def state_dict(self) -> dict[str, Any]:
         """Return the cursor and the identity of the order, as JSON-able plain values."""

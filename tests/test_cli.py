@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,32 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
 
     again = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
     assert again.returncode == 0, again.stderr  # a previous demo directory is reused
+
+
+@pytest.mark.crash
+def test_the_demo_spikes_rolls_back_and_says_so(tmp_path: Path) -> None:
+    """100 steps: the LR mistake at steps 35-36 spikes the loss from step 36 on; confirmed
+    at 38, the run goes back to the save of step 30 and skips the 8 batches since."""
+    cfg = tmp_path / "fast.yaml"
+    cfg.write_text("scheduler: {base_interval: 10, min_interval: 1, max_interval: 500,\n"
+                   "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
+                   "  loss: {slope_threshold: 1000.0}}\n"
+                   "rollback: {enabled: true}\n")
+    run_dir = tmp_path / "demo"
+    out = ckptpilot("demo", "--steps", "100", "--run-dir", str(run_dir), "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.split("\nsummary\n", 1)[1]
+    fields = {k.strip(): v.strip() for k, v in (
+        line.strip().split("  ", 1) for line in summary.splitlines() if line.strip())}
+    assert fields["loss spike"].startswith("LR x100 at steps 35-36: loss ")
+    assert fields["rollback"] == ("confirmed at step 38 (onset 36); back to step 30, 8 batches "
+                                  "skipped; 1 rollback(s)")
+    assert fields["steps trained"] == "100 (+5 re-run after the crash, +8 after the rollback)"
+    assert fields["saves by trigger"].startswith("interval 10, score 0, emergency 0")
+    assert "[run 1] step    38: ROLLBACK to step 30" in out.stdout
+    decisions = [json.loads(line) for line in
+                 (run_dir / "decisions_rank_00000.jsonl").read_text().splitlines()]
+    assert [(d["step"], d["rollback_to"]) for d in decisions if "rollback_to" in d] == [(38, 30)]
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -416,3 +416,13 @@ def test_a_pilot_that_fails_to_start_stops_what_it_started(
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
     monkeypatch.undo()
     Job(tmp_path, interval=3).pilot.close()  # and the lease is free
+
+
+@pytest.mark.crash
+def test_a_spike_on_one_rank_rolls_every_rank_back_to_the_same_step(tmp_path: Path) -> None:
+    """Rank 0 confirms a spike at step 23 (onset 22); the ranks agree on it one step later
+    and both go back to the newest save before step 21 that both hold, 20."""
+    outs = ranks(tmp_path / "run", "rollback")
+    for out in outs:
+        assert out == {"at": 24, "onset": 22, "to": 20, "step": 20, "restored": True}, outs
+

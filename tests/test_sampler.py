@@ -148,3 +148,24 @@ def test_position_counts_exactly_the_indices_of_the_batches_drawn(drop_last: boo
     assert list(resumed) == order[8:]
     assert first == order[:4]
     assert sampler.state_dict() == resumed.state_dict() == sampler.state_dict() | {"epoch": 1}
+
+
+def test_skip_batches_lands_where_taking_those_batches_would_across_epochs() -> None:
+    skipped = ResumableSampler(10, seed=3, batch_size=4)
+    taken = ResumableSampler(10, seed=3, batch_size=4)
+    skipped.take(2)
+    taken.take(2)
+    skipped.skip_batches(5)  # 20 indices: the rest of epoch 0, all of epoch 1, 2 of epoch 2
+    taken.take(20)
+    assert skipped.state_dict() == taken.state_dict() == {
+        "epoch": 2, "position": 2, "seed": 3, "n": 10, "shuffle": True}
+    assert torch.equal(skipped.take(8), taken.take(8))
+
+
+def test_skip_batches_needs_a_batch_size_and_a_count() -> None:
+    with pytest.raises(ValueError, match="batch_size=B"):
+        ResumableSampler(10).skip_batches(1)
+    with pytest.raises(ValueError, match="batches >= 0"):
+        ResumableSampler(10, batch_size=2).skip_batches(-1)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        ResumableSampler(10, batch_size=0)

@@ -55,7 +55,9 @@ class CheckpointDecision:
     ``interval`` is the interval in steps in force after this step; ``signals`` maps
     ``loss``/``grad``/``system`` to their values in [0, 1]; ``reason`` is a short
     human-readable phrase naming what drove the decision (``interval``, ``trigger``,
-    ``emergency``, ``non-finite loss`` …).
+    ``emergency``, ``non-finite loss`` …). ``spike_onset`` is set (by the pilot) at the step
+    where a loss spike starting at that step was confirmed; ``rollback_to`` when the pilot
+    then rolled the run back to that step (training continues from ``rollback_to + 1``).
     """
 
     step: int
@@ -68,3 +70,5 @@ class CheckpointDecision:
     reason: str
     emergency: bool = False
     non_finite: bool = False
+    spike_onset: int | None = None
+    rollback_to: int | None = None
