@@ -52,9 +52,9 @@ confirms (``RollbackPolicy`` defaults: a loss above 2× the median of the last 5
 steps, or non-finite), fed the trace's losses as the pilot feeds them; each has an onset and a
 confirmation step. The loss of step t comes from the weights saved at t − 1, so the save at
 ``onset − 1`` is suspect and the rollback point is the newest save *before* ``onset − 1``. At
-each confirmation the pilot promotes it, and every save in [onset − 1 − ``baseline_window``,
-onset − 1), to ``important`` if it was ``routine``: the replay of the adaptive schedule does
-exactly that. Plain fixed schedules have no one to
+each confirmation the pilot classes it ``critical`` (never pruned) and every other save in
+[onset − 1 − ``baseline_window``, onset − 1) ``important`` if it was ``routine``: the replay
+of the adaptive schedule does exactly that. Plain fixed schedules have no one to
 promote their saves (no tool does), so the goal's baselines are unpromoted; the cell also gives
 the fixed schedules *with* the same promotion, which shows how much of the gain is the
 promotion's rather than the schedule's. The rollback distance of a spike is onset − the newest
@@ -298,19 +298,22 @@ def promote(
     saves: Sequence[Save], spikes: Sequence[tuple[int, int]], baseline_window: int
 ) -> list[Save]:
     """The saves as the pilot leaves them once each spike is confirmed: the newest save before
-    ``onset − 1`` (the suspect step: its weights gave the onset's loss), and every save in
-    [onset − 1 − ``baseline_window``, onset − 1), ``important`` if they were ``routine``
-    (critical ones stay critical)."""
+    ``onset − 1`` (the suspect step: its weights gave the onset's loss) ``critical``, every
+    other save in [onset − 1 − ``baseline_window``, onset − 1) ``important`` if it was
+    ``routine``."""
     steps = [save.step for save in saves]
-    promoted: set[int] = set()
+    points: set[int] = set()
+    run_up: set[int] = set()
     for onset, _ in spikes:
         suspect = onset - 1
         newest = bisect.bisect_left(steps, suspect)
-        first = min(bisect.bisect_left(steps, suspect - baseline_window), max(newest - 1, 0))
-        promoted.update(range(first, newest))
+        if newest:
+            points.add(newest - 1)
+        run_up.update(range(bisect.bisect_left(steps, suspect - baseline_window), newest))
     return [
-        Save(save.step, save.level, "important")
-        if i in promoted and save.retention_class == "routine" else save
+        Save(save.step, save.level, "critical") if i in points
+        else Save(save.step, save.level, "important")
+        if i in run_up and save.retention_class == "routine" else save
         for i, save in enumerate(saves)
     ]
 
@@ -626,8 +629,8 @@ def main() -> None:
           f"{rollback.spike_factor:g} over the median of the last {rollback.baseline_window} "
           f"losses, patience "
           f"{rollback.patience}); at each confirmation the adaptive schedule's newest save "
-          f"before onset - 1 and its saves in [onset - 1 - {rollback.baseline_window}, "
-          f"onset - 1) become important")
+          f"before onset - 1 becomes critical, its other saves in "
+          f"[onset - 1 - {rollback.baseline_window}, onset - 1) important")
     print(f"seeds {args.seeds}; {args.failures} failures per seed (uniform, weibull shape "
           f"{args.weibull_shape}); precursor: {args.precursor_failures} failures per pass, "
           f"W = {args.precursor_window} steps; rule onsets: loss > {args.spike_factor}x the max "

@@ -1217,8 +1217,10 @@ class CheckpointPilot:
 
     def _protect_before(self, suspect: int) -> None:
         """On the writer thread, after every save queued before it: class the newest save
-        before ``suspect``, and the saves within ``baseline_window`` steps before it,
-        ``important`` at least, so that pruning keeps the rollback point."""
+        before ``suspect`` (the rollback point) ``critical``, so that no prune ever removes
+        it — as ``important`` it would compete with the next spikes' points for
+        ``important_keep`` places — and the other saves within ``baseline_window`` steps
+        before it ``important`` at least."""
         rows = [row for row in self.store.rows(self.run_id, rank=self.rank,
                                                status=(Status.VALID, Status.PENDING))
                 if row.step < suspect]
@@ -1227,11 +1229,14 @@ class CheckpointPilot:
         newest = max(row.step for row in rows)
         first = suspect - self.policy.rollback.baseline_window
         for row in rows:
-            if ((row.step == newest or row.step >= first)
-                    and row.retention_class is RetentionClass.ROUTINE):
-                self.store.mark(row.key, row.status,
-                                retention_class=RetentionClass.IMPORTANT.value,
-                                note=f"kept: saved before the loss spike of step {suspect + 1}")
+            if row.step == newest and row.retention_class is not RetentionClass.CRITICAL:
+                promoted = RetentionClass.CRITICAL
+            elif row.step >= first and row.retention_class is RetentionClass.ROUTINE:
+                promoted = RetentionClass.IMPORTANT
+            else:
+                continue
+            self.store.mark(row.key, row.status, retention_class=promoted.value,
+                            note=f"kept: saved before the loss spike of step {suspect + 1}")
 
     def _rollback(self, onset: int, reason: str) -> int | None:
         """Restore the newest checkpoint before ``onset − 1`` (see :meth:`_on_spike`), skip

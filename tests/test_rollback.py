@@ -156,7 +156,7 @@ def _train(pilot: CheckpointPilot, data: ResumableSampler, losses: list[float]):
     return decisions
 
 
-def test_without_rollback_the_save_before_a_spike_is_kept_as_important_and_survives_prune(
+def test_without_rollback_the_save_before_a_spike_is_kept_for_good_and_survives_prune(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _config(tmp_path, enabled=False)
     pilot, data = _pilot(tmp_path, cfg)
@@ -168,10 +168,10 @@ def test_without_rollback_the_save_before_a_spike_is_kept_as_important_and_survi
     assert "rollback is off" in caplog.text
     with MetadataStore(tmp_path / "run" / "metadata.sqlite") as store:
         classes = {r.step: r.retention_class.value for r in store.rows(tier="remote")}
-    # Suspect from step 41 (its weights gave the onset's loss): 40 is the rollback point;
-    # the saves within baseline_window (20) steps before 41 are kept too.
-    assert {s: c for s, c in classes.items() if c == "important"} == {
-        25: "important", 30: "important", 35: "important", 40: "important"}
+    # Suspect from step 41 (its weights gave the onset's loss): 40 is the rollback point,
+    # kept for good; the saves within baseline_window (20) steps before 41 are kept too.
+    assert {s: c for s, c in classes.items() if c != "routine"} == {
+        25: "important", 30: "important", 35: "important", 40: "critical"}
     assert classes[45] == classes[20] == "routine"
     policy = load_policy(cfg, run_dir=tmp_path / "run")
     assert runops.prune(policy, dry_run=False, out=io.StringIO()) == 0
