@@ -226,9 +226,10 @@ class AdaptiveCheckpointScheduler:
         health_signal = 0.0
         if system is not None:
             health_signal = _unit(system.signal)
-            self._hard_errors_reading = system.hard_errors
+            hard = self._hard_errors_reading = system.hard_errors
             # A reading below the reference means the probe restarted: start from it.
-            self._hard_errors_acted_on = min(self._hard_errors_acted_on, system.hard_errors)
+            acted = self._hard_errors_acted_on
+            self._hard_errors_acted_on = hard if hard < acted else acted
         # Comparisons rather than max(): this runs on the training thread at every step.
         precursor = (
             problem is not None
