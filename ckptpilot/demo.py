@@ -320,7 +320,7 @@ def _spike_story(runs: list[_Run], policy_rollback: bool) -> tuple[str, str]:
     spikes = [d for run in runs for d in run.decisions if d["spike_onset"] is not None]
     if not policy_rollback:
         return spike, ("off in this policy" + (f"; spike confirmed at step {spikes[0]['step']}, "
-                                               "the save before it kept as important"
+                                               "the save before it kept for good (critical)"
                                                if spikes else "; no spike confirmed"))
     return spike, "no spike confirmed"
 

@@ -1205,7 +1205,8 @@ class CheckpointPilot:
                                                                     suspect)))
         if not self.policy.rollback.enabled:
             log.warning("loss spike at step %d: %s; the newest checkpoint before step %d is "
-                        "kept as important (rollback is off)", self.step, reason, suspect)
+                        "kept for good as critical (rollback is off)", self.step, reason,
+                        suspect)
             return replace(decision, spike_onset=onset)
         target = self._rollback(onset, reason)
         if target is None:
