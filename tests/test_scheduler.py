@@ -845,3 +845,19 @@ def test_grad_z_matches_the_median_mad_formula_on_random_probes_with_ties(window
                 expected = 0.0
             assert grad.z == pytest.approx(expected, rel=1e-9)
         history.append(y)
+
+
+def test_decisions_carry_every_field_and_stay_frozen() -> None:
+    """The scheduler builds decisions without the dataclass __init__ (per-step cost): each one
+    must still hold every field, equal one built the usual way, and refuse assignment."""
+    import dataclasses
+
+    scheduler = AdaptiveCheckpointScheduler(SchedulerPolicy(base_interval=2, min_interval=1))
+    decisions = [scheduler.decide(step, 1.0) for step in range(1, 4)]
+    names = {f.name for f in dataclasses.fields(CheckpointDecision)}
+    for decision in decisions:
+        assert set(vars(decision)) == names
+        assert decision == CheckpointDecision(**vars(decision))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            decision.save = True  # type: ignore[misc]
+    assert [d.save for d in decisions] == [False, True, False]

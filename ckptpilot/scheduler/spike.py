@@ -81,7 +81,13 @@ class SpikeDetector:
         for it; pass a non-negative objective.
         """
         value = float(loss)
-        baseline = self.baseline
+        ordered = self._sorted
+        count = len(ordered)
+        if count < self._needed:
+            baseline = None
+        else:  # the median, inline: this runs on the training thread every step
+            half = count >> 1
+            baseline = ordered[half] if count & 1 else 0.5 * (ordered[half - 1] + ordered[half])
         if not math.isfinite(value):
             onset = step if self._onset is None else self._onset
             self._onset, self._high, self._confirmed = None, 0, False
@@ -94,8 +100,13 @@ class SpikeDetector:
         if value == 0.0:
             return None
         if baseline is None or value <= self._factor * baseline:
-            self._onset, self._high, self._confirmed = None, 0, False
-            self._push(value)
+            if self._onset is not None:
+                self._onset, self._high, self._confirmed = None, 0, False
+            ring = self._ring
+            if count == self._size:
+                del ordered[bisect.bisect_left(ordered, ring.popleft())]
+            ring.append(value)
+            bisect.insort(ordered, value)
             return None
         if self._confirmed:
             self._push(value)
