@@ -119,7 +119,7 @@ from ckptpilot.policy import RetentionPolicy, RollbackPolicy, SchedulerPolicy
 from ckptpilot.retention import plan_retention
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import SystemHealth
-from ckptpilot.scheduler.ledger import daly_interval
+from ckptpilot.scheduler.interval import daly_interval
 from ckptpilot.scheduler.spike import SpikeDetector
 
 TRACES = Path(__file__).resolve().parent / "traces"

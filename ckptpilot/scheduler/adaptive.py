@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from ckptpilot.policy import RetentionPolicy, SchedulerPolicy
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass, SystemHealth
-from ckptpilot.scheduler.ledger import daly_interval
+from ckptpilot.scheduler.interval import daly_interval
 from ckptpilot.scheduler.signals import PRECURSOR_SIGNAL, GradActivity, Hazard, LossChange
 
 __all__ = ["MAX_SCORE_REDUCTION", "SIGNAL_KEYS", "AdaptiveCheckpointScheduler"]

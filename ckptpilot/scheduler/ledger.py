@@ -1,11 +1,8 @@
-"""The failure ledger and the Young/Daly checkpoint-interval bounds (SPEC §4).
+"""The failure ledger: when runs started, ended and were interrupted (SPEC §4).
 
-This module owns two things:
-
-* :func:`young_interval` and :func:`daly_interval`, pure functions giving the optimal time
-  between checkpoints from the cost of one checkpoint δ and the mean time between failures M;
-* :class:`FailureLedger`, an append-only JSON-lines file in the run directory recording when
-  runs started, ended cleanly and were interrupted, from which the observed MTBF is derived.
+This module owns :class:`FailureLedger`, an append-only JSON-lines file in the run directory
+recording when runs started, ended cleanly and were interrupted, from which the observed MTBF
+is derived; the interval bound computed from that MTBF is ``scheduler/interval.py``'s.
 
 It must not decide when to save (the scheduler does, from the bound) nor find out *that* a run
 was interrupted (the pilot does, from its heartbeats, and records it here). It reads the clock
@@ -68,8 +65,6 @@ __all__ = [
     "FailureLedger",
     "Interruption",
     "Rollback",
-    "daly_interval",
-    "young_interval",
 ]
 
 log = logging.getLogger("ckptpilot")
@@ -111,36 +106,6 @@ _FIELDS: dict[Any, tuple[str, ...]] = {
     ),
     "rollback": ("wall_time", "step", "onset", "to_step", "skipped_batches", "reason"),
 }
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-
-
-def young_interval(delta: float, mtbf: float) -> float:
-    """Young's first-order optimum sqrt(2·δ·M): time between checkpoints minimising waste.
-
-    ``delta`` (checkpoint cost) and ``mtbf`` share one time unit; the result is in that unit.
-    Accurate when δ ≪ M; :func:`daly_interval` is the better estimate otherwise.
-    """
-    _check_positive("delta", delta)
-    _check_positive("mtbf", mtbf)
-    return math.sqrt(2.0 * delta * mtbf)
-
-
-def daly_interval(delta: float, mtbf: float) -> float:
-    """Daly's higher-order optimum, in the unit of ``delta`` and ``mtbf``.
-
-    τ = sqrt(2δM)·[1 + ⅓·sqrt(δ/2M) + (1/9)·(δ/2M)] − δ for δ < 2M; once a checkpoint costs
-    twice the MTBF or more, the expansion no longer holds and τ = M.
-    """
-    _check_positive("delta", delta)
-    _check_positive("mtbf", mtbf)
-    if delta >= 2.0 * mtbf:
-        return mtbf
-    ratio = delta / (2.0 * mtbf)
-    return math.sqrt(2.0 * delta * mtbf) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - delta
 
 
 @dataclasses.dataclass(frozen=True)
