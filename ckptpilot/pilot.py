@@ -68,8 +68,6 @@ from ckptpilot.rundir import RunLease, run_identity
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass
 from ckptpilot.scheduler.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
-from ckptpilot.scheduler.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
-from ckptpilot.scheduler.ledger import FailureLedger, Rollback
 from ckptpilot.scheduler.spike import Spike, SpikeDetector
 from ckptpilot.state import (
     HostBufferPool,
@@ -90,6 +88,8 @@ from ckptpilot.storage.archive import (
     read_organ,
     stage_organ,
 )
+from ckptpilot.storage.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
+from ckptpilot.storage.ledger import FailureLedger, Rollback
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
 from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
 from ckptpilot.tiers.peer import PeerTier

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ckptpilot.errors import CheckpointFormatError
-from ckptpilot.scheduler.heartbeat import (
+from ckptpilot.storage.heartbeat import (
     HEADER_BYTES,
     SLOT_HEADER_BYTES,
     HeartbeatWriter,
@@ -306,7 +306,7 @@ def test_background_flush_makes_every_write_durable(tmp_path: Path) -> None:
 _CHILD = textwrap.dedent(
     """
     import sys
-    from ckptpilot.scheduler.heartbeat import HeartbeatWriter
+    from ckptpilot.storage.heartbeat import HeartbeatWriter
 
     writer = HeartbeatWriter(sys.argv[1], slots=64, record_bytes=512)
     for step in range(50_000_000):

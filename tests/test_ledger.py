@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptpilot.scheduler.heartbeat import HeartbeatWriter, read_latest
-from ckptpilot.scheduler.ledger import (
+from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
+from ckptpilot.storage.ledger import (
     FUTURE_SLACK_SECONDS,
     FailureLedger,
     Interruption,

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError
-from ckptpilot.scheduler.damaged import set_aside
+from ckptpilot.storage.damaged import set_aside
 
 __all__ = [
     "FUTURE_SLACK_SECONDS",

@@ -7,8 +7,8 @@ run from resuming nor be overwritten unseen: its owner renames it to
 a fresh file on the original path.
 
 This module owns only that rename and the WARNING that names the file and what was wrong. It
-does not decide what counts as damage; the format's owner (``heartbeat.py``, ``ledger.py``)
-does.
+does not decide what counts as damage; the format's owner (``heartbeat.py``, ``ledger.py``,
+beside it in ``storage/``) does.
 """
 
 from __future__ import annotations
