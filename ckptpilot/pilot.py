@@ -64,10 +64,10 @@ from ckptpilot.errors import (
 )
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
+from ckptpilot.probes.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
 from ckptpilot.rundir import RunLease, run_identity
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass
-from ckptpilot.scheduler.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
 from ckptpilot.scheduler.spike import Spike, SpikeDetector
 from ckptpilot.state import (
     HostBufferPool,

@@ -17,8 +17,7 @@ import pynvml
 import pytest
 
 from ckptpilot.policy import SystemSignalPolicy
-from ckptpilot.scheduler.decision import SystemHealth
-from ckptpilot.scheduler.health import (
+from ckptpilot.probes.health import (
     DeviceReading,
     FsyncProbe,
     GpuHealthProvider,
@@ -28,6 +27,7 @@ from ckptpilot.scheduler.health import (
     NvmlUnavailableError,
     open_gpu_provider,
 )
+from ckptpilot.scheduler.decision import SystemHealth
 
 
 def _nvml_works() -> bool:

@@ -49,7 +49,7 @@ import torch
 
 from ckptpilot import CheckpointPilot, CkptPilotError, ResumableSampler, load_policy
 from ckptpilot import state as state_module
-from ckptpilot.scheduler.health import FROM_POLICY, DeviceReading, GpuHealthProvider, GpuReading
+from ckptpilot.probes.health import FROM_POLICY, DeviceReading, GpuHealthProvider, GpuReading
 from ckptpilot.storage.archive import (
     CONTAINER_FILE,
     MANIFEST_FILE,
