@@ -64,7 +64,8 @@ from ckptpilot.errors import (
 )
 from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
-from ckptpilot.probes.health import FROM_POLICY, GpuHealthProvider, HealthMonitor
+from ckptpilot.probes.gpu import GpuHealthProvider
+from ckptpilot.probes.monitor import FROM_POLICY, HealthMonitor
 from ckptpilot.rundir import RunLease, run_identity
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass

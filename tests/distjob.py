@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ckptpilot import CheckpointPilot, load_policy
-from ckptpilot.probes.health import DeviceReading, GpuHealthProvider, GpuReading
+from ckptpilot.probes.gpu import DeviceReading, GpuHealthProvider, GpuReading
 
 
 class EccAfter(GpuHealthProvider):

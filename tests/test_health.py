@@ -17,16 +17,16 @@ import pynvml
 import pytest
 
 from ckptpilot.policy import SystemSignalPolicy
-from ckptpilot.probes.health import (
+from ckptpilot.probes.fsync import FsyncProbe
+from ckptpilot.probes.gpu import (
     DeviceReading,
-    FsyncProbe,
     GpuHealthProvider,
     GpuReading,
-    HealthMonitor,
     NvmlProvider,
     NvmlUnavailableError,
     open_gpu_provider,
 )
+from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.scheduler.decision import SystemHealth
 
 

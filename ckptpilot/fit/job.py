@@ -49,7 +49,8 @@ import torch
 
 from ckptpilot import CheckpointPilot, CkptPilotError, ResumableSampler, load_policy
 from ckptpilot import state as state_module
-from ckptpilot.probes.health import FROM_POLICY, DeviceReading, GpuHealthProvider, GpuReading
+from ckptpilot.probes.gpu import DeviceReading, GpuHealthProvider, GpuReading
+from ckptpilot.probes.monitor import FROM_POLICY
 from ckptpilot.storage.archive import (
     CONTAINER_FILE,
     MANIFEST_FILE,
