@@ -21,11 +21,10 @@ import os
 import random
 import signal
 import sys
-from pathlib import Path
 
 import numpy as np
-import safetensors.torch
 import torch
+from helpers import save_final_state
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
 from ckptpilot.fit.job import Net  # the same small real model `ckptpilot fit` trains
@@ -130,16 +129,9 @@ def main() -> None:
                 pilot.flush()  # "between saves": nothing in flight when the kill lands
                 _die()
     pilot.close()
-    sd = opt.state_dict()
-    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"opt/{pid}/{k}"] = v.contiguous()
-    safetensors.torch.save_file(tensors, a.final)
-    Path(a.final + ".json").write_text(json.dumps({
-        "param_groups": sd["param_groups"], "sampler": sampler.state_dict(),
-        "sched": sched.state_dict(),
-        "torch_rng": torch.get_rng_state().tolist(), "saves": len(pilot.saves)}))
+    save_final_state(model, opt, a.final, sampler=sampler.state_dict(),
+                     sched=sched.state_dict(), torch_rng=torch.get_rng_state().tolist(),
+                     saves=len(pilot.saves))
     print("DONE", flush=True)
     sys.exit(0)
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
 
 from ckptpilot.storage import archive
 
@@ -13,3 +18,27 @@ def archive_tensors(directory: Path) -> Path:
         if (directory / name).exists():
             return directory / name
     raise FileNotFoundError(f"{directory}: no tensors file")
+
+
+def assert_states_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same keys, dtypes and shapes, and the same bytes (``torch.equal`` on uint8 views, so
+    NaN payloads and -0.0 count)."""
+    assert a.keys() == b.keys()
+    for key, ta in a.items():
+        tb = b[key]
+        assert ta.dtype == tb.dtype and ta.shape == tb.shape, key
+        assert torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)), \
+            f"{key} differs bit-wise"
+
+
+def save_final_state(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str,
+                     **extra: Any) -> None:
+    """What a training child leaves for its parent to compare: model and optimizer tensors
+    as safetensors at ``path``, the optimizer's param groups and ``extra`` as ``path.json``."""
+    sd = opt.state_dict()
+    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt/{pid}/{k}"] = v.contiguous()
+    safetensors.torch.save_file(tensors, path)
+    Path(path + ".json").write_text(json.dumps({"param_groups": sd["param_groups"], **extra}))

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import random
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
+from helpers import save_final_state
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
 from ckptpilot.fit.job import Net
@@ -135,15 +133,8 @@ def main() -> None:
                 sampler.skip_batches(a.skip)
                 step, rolled_back = a.to, True
 
-    sd = opt.state_dict()
-    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"opt/{pid}/{k}"] = v.contiguous()
-    safetensors.torch.save_file(tensors, a.final)
-    Path(a.final + ".json").write_text(json.dumps({
-        "param_groups": sd["param_groups"], "sampler": sampler.state_dict(),
-        "torch_rng": torch.get_rng_state().tolist()}))
+    save_final_state(model, opt, a.final, sampler=sampler.state_dict(),
+                     torch_rng=torch.get_rng_state().tolist())
     print("DONE", flush=True)
     sys.exit(0)
 

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import torch
+from helpers import assert_states_bit_equal
 
 from ckptpilot import CheckpointPilot, RecoverySource
 from ckptpilot.codecs import read_index
@@ -61,15 +62,6 @@ class Job:
         return out
 
 
-def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k, ta in a.items():
-        tb = b[k]
-        assert ta.dtype == tb.dtype and ta.shape == tb.shape, k
-        assert torch.equal(ta.reshape(-1).view(torch.uint8),
-                           tb.reshape(-1).view(torch.uint8)), f"{k} differs bit-wise"
-
-
 def test_fifty_pulses_then_a_restore_reads_one_state_bit_exactly(tmp_path: Path) -> None:
     cfg, run_dir = policy_file(tmp_path), tmp_path / "run"
     job = Job(cfg, run_dir)
@@ -102,7 +94,7 @@ def test_fifty_pulses_then_a_restore_reads_one_state_bit_exactly(tmp_path: Path)
     # Exactly one state was read — the newest pulse — no chain of deltas behind it.
     one_state = saves[-1].bytes_raw + (newest / archive.STATE_FILE).stat().st_size
     assert rec.bytes_read == saves[-1].bytes <= one_state
-    assert_bit_equal(again.state(), expected)
+    assert_states_bit_equal(again.state(), expected)
     again.pilot.close()
 
 
@@ -119,7 +111,7 @@ def test_an_in_process_restore_comes_from_memory_and_aliases_nothing(tmp_path: P
     rec = job.pilot.last_recovery
     assert rec is not None and rec.source is RecoverySource.MEMORY and rec.level == "pulse"
     assert rec.bytes_read == job.pilot.saves[-1].bytes_raw
-    assert_bit_equal(job.state(), at_6)
+    assert_states_bit_equal(job.state(), at_6)
 
     # The restored optimizer state must not share memory with the tier's buffers, which the
     # next captures reuse: train on, saving every step, and compare with a run that never
@@ -134,7 +126,7 @@ def test_an_in_process_restore_comes_from_memory_and_aliases_nothing(tmp_path: P
     for _ in range(4):
         ref.step()
     ref.pilot.close()
-    assert_bit_equal(job.state(), ref.state())
+    assert_states_bit_equal(job.state(), ref.state())
 
 
 def test_a_state_over_max_bytes_is_not_kept_in_memory(tmp_path: Path) -> None:

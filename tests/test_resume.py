@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-import torch
+from helpers import assert_states_bit_equal
 
 JOB = Path(__file__).with_name("crashjob.py")
 STEPS = 60
@@ -54,14 +54,6 @@ def _resumed(proc: subprocess.CompletedProcess[str]) -> list[str]:
 def _resumed_from(proc: subprocess.CompletedProcess[str]) -> int:
     return int(_resumed(proc)[0])
 
-
-def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k, ta in a.items():
-        tb = b[k]
-        assert ta.dtype == tb.dtype and ta.shape == tb.shape, k
-        assert torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)), \
-            f"{k} differs bit-wise"
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +118,7 @@ def test_killed_between_and_during_saves_resumes_bit_exactly(
     # Steps 20-23 and 30-39 ran twice (before a kill and after resume), identically.
     assert len(seen) >= STEPS + 4 + 10
 
-    _assert_bit_equal(reference["final"], safetensors.torch.load_file(final))
+    assert_states_bit_equal(reference["final"], safetensors.torch.load_file(final))
     got = json.loads(Path(str(final) + ".json").read_text())
     assert got["param_groups"] == reference["json"]["param_groups"]
     assert got["sampler"] == reference["json"]["sampler"]

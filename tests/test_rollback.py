@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from helpers import assert_states_bit_equal
 
 from ckptpilot import CheckpointPilot, PolicyError, ResumableSampler, RollbackLimitError, runops
 from ckptpilot.policy import load_policy
@@ -54,14 +55,6 @@ def _tagged(proc: subprocess.CompletedProcess[str], tag: str) -> list[list[int]]
             if line.startswith(tag + " ")]
 
 
-def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key, ta in a.items():
-        tb = b[key]
-        assert ta.dtype == tb.dtype and ta.shape == tb.shape, key
-        assert torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)), \
-            f"{key} differs bit-wise"
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
@@ -87,7 +80,7 @@ def test_a_spike_rolls_back_to_the_checkpoint_before_it_bit_exactly(
     # run goes back to the save before it (25), skipping the 8 batches of steps 26-33.
     assert reference["event"] == [25, BUMP_AT + 1, BUMP_AT + 3, 8]
     pilot = safetensors.torch.load_file(reference["pilot"])
-    _assert_bit_equal(pilot, safetensors.torch.load_file(reference["hand"]))
+    assert_states_bit_equal(pilot, safetensors.torch.load_file(reference["hand"]))
     assert json.loads(Path(f"{reference['pilot']}.json").read_text())["sampler"] == \
         json.loads(Path(f"{reference['hand']}.json").read_text())["sampler"]
     run_dir = Path(reference["run_dir"])  # type: ignore[arg-type]
@@ -118,7 +111,7 @@ def test_killed_after_a_rollback_resumes_on_the_same_data_bit_exactly(
     assert resumed.returncode == 0, resumed.stderr
     assert _tagged(resumed, "RESUMED") == [[25 if kill_after == 2 else 30, 1]]
     assert _tagged(resumed, "ROLLBACK") == []  # the bump is gone, the data skipped: calm
-    _assert_bit_equal(safetensors.torch.load_file(final),
+    assert_states_bit_equal(safetensors.torch.load_file(final),
                       safetensors.torch.load_file(reference["hand"]))
 
 
