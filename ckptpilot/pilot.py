@@ -44,8 +44,7 @@ import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,13 +61,12 @@ from ckptpilot.errors import (
     PolicyError,
     RollbackLimitError,
 )
-from ckptpilot.observe import Telemetry
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY, HealthMonitor
 from ckptpilot.rundir import RunLease, run_identity
 from ckptpilot.scheduler.adaptive import SIGNAL_KEYS, AdaptiveCheckpointScheduler
-from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass
+from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.scheduler.spike import Spike, SpikeDetector
 from ckptpilot.state import (
     HostBufferPool,
@@ -91,24 +89,19 @@ from ckptpilot.storage.archive import (
 )
 from ckptpilot.storage.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
 from ckptpilot.storage.ledger import FailureLedger, Rollback
-from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
+from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
+from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
 from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
+from ckptpilot.vocab import CheckpointKey, Level, RecoverySource, RetentionClass, Status, Tier
 
 log = logging.getLogger("ckptpilot")
 
 _COST_KEYS = ("save_seconds", "mtbf_seconds", "step_seconds")
 _STEP_TIME_ALPHA = 0.05
-
-
-class RecoverySource(str, Enum):
-    MEMORY = "memory"
-    PEER = "peer"
-    REMOTE = "remote"
-    NONE = "none"
 
 
 @dataclass(frozen=True)
@@ -139,18 +132,31 @@ class SaveRecord:
     (back-pressure wait + snapshot copy); ``persist_seconds`` ran in the background."""
 
     step: int
-    level: str
+    level: Level
     reason: str
-    retention_class: str
+    retention_class: RetentionClass
     stall_seconds: float
     persist_seconds: float
     validate_seconds: float
     bytes: int
     location: str
-    status: str  # "valid", or "corrupted" when post-write validation refused it
+    status: Status  # valid, or corrupted when post-write validation refused it
     bytes_raw: int = 0  # the snapshot's tensor bytes before the codecs
     write_seconds: float = 0.0  # encode + write + fsync (peers: the put), before validation
-    tier: str = "remote"  # where it went ("peer": the peers; an organ also to the remote)
+    tier: Tier = Tier.REMOTE  # where it went (peer: the peers; an organ also to the remote)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One job queued on the writer thread, in submission order. ``tier`` is the tier the
+    writer is writing to at the moment: the writer thread sets it before each tier's write
+    and the training thread reads it once ``future`` is done, so a failure names the tier it
+    happened in. None while the job touches no tier (metadata rows only)."""
+
+    step: int
+    what: str
+    future: Future[Any] = field(init=False)
+    tier: Tier | None = None
 
 
 @dataclass(frozen=True)
@@ -329,7 +335,7 @@ class CheckpointPilot:
             bandwidth_bytes_per_s=self.policy.tiers.remote.bandwidth, level=codecs.zstd_level,
             prefix_bits=codecs.prefix_bits, threads=codecs.threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptpilot-writer")
-        self._inflight: deque[tuple[int, Future[SaveRecord]]] = deque()
+        self._inflight: deque[_InFlight] = deque()
         obs = self.policy.observability
         self._telemetry = Telemetry(self.run_dir, rank=self.rank, tensorboard=obs.tensorboard,
                                     decision_log=obs.decision_log)
@@ -442,12 +448,14 @@ class CheckpointPilot:
                                    metric=(name, value))):
             self.scheduler.note_save(self.step, Level.PULSE)
             return
-        self._inflight.append((self.step, self._executor.submit(
-            self._set_metric, self.step, name, value)))
+        job = _InFlight(self.step, "metric update")
+        job.future = self._executor.submit(self._set_metric, self.step, name, value)
+        self._inflight.append(job)
 
     def _set_metric(self, step: int, name: str, value: float) -> None:
         """On the writer thread, after the save of ``step``: on its row in every tier."""
-        keys = [(self.run_id, step, self.rank, tier) for tier in ("peer", "remote")]
+        keys = [CheckpointKey(self.run_id, step, self.rank, tier)
+                for tier in (Tier.PEER, Tier.REMOTE)]
         found = [key for key in keys if self.store.get(key) is not None]
         if not found:
             raise NoCheckpointError(f"metric {name!r}: step {step} has no checkpoint row")
@@ -587,8 +595,9 @@ class CheckpointPilot:
         stall = time.perf_counter() - t0
         self._stalls.append(stall)
         self._save_cost = statistics.median(self._stalls)
-        future = self._executor.submit(self._persist, snapshot, request, stall)
-        self._inflight.append((self.step, future))
+        job = _InFlight(self.step, "save")
+        job.future = self._executor.submit(self._persist, snapshot, request, stall, job)
+        self._inflight.append(job)
         self._last_save_step = self.step
         return True
 
@@ -599,13 +608,20 @@ class CheckpointPilot:
         return epoch if isinstance(epoch, int) else None
 
     def _raise_background_errors(self) -> None:
-        while self._inflight and self._inflight[0][1].done():
-            step, future = self._inflight.popleft()
-            error = future.exception()
+        while self._inflight and self._inflight[0].future.done():
+            job = self._inflight.popleft()
+            error = job.future.exception()
             if error is not None:
                 raise CheckpointWriteError(
-                    f"background save of step {step} to {self.remote.url} failed: {error}"
-                ) from error
+                    f"background {job.what} of step {job.step}{self._tier_words(job.tier)} "
+                    f"failed: {error}") from error
+
+    def _tier_words(self, tier: Tier | None) -> str:
+        if tier is Tier.REMOTE:
+            return f" to the remote tier {self.remote.url}"
+        if tier is Tier.PEER and self.peers is not None:
+            return f" to the peer tier ({', '.join(self.peers.endpoints)})"
+        return "" if tier is None else f" to the {tier.value} tier"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -613,7 +629,8 @@ class CheckpointPilot:
 
     # -- writer thread ---------------------------------------------------------------------
 
-    def _persist(self, snapshot: Snapshot, request: _SaveRequest, stall: float) -> SaveRecord:
+    def _persist(self, snapshot: Snapshot, request: _SaveRequest, stall: float,
+                 job: _InFlight) -> SaveRecord:
         """Write one save to its tiers; a valid snapshot's buffers then stay in the memory
         tier (the base of the next peer deltas).
 
@@ -624,9 +641,12 @@ class CheckpointPilot:
         try:
             record = None
             if self.peers is not None:
+                job.tier = Tier.PEER
                 record = self._persist_to_peers(snapshot, request, stall)
             if record is None or request.level == Level.ORGAN.value:
+                job.tier = Tier.REMOTE
                 record = self._persist_to_remote(snapshot, request, stall)
+            job.tier = None
             self.saves.append(record)
             self._telemetry.save(snapshot.step, {
                 "checkpoint/save_seconds": record.persist_seconds,
@@ -635,7 +655,8 @@ class CheckpointPilot:
                 "checkpoint/bytes": float(record.bytes),
                 "checkpoint/ratio": snapshot.nbytes / max(record.bytes, 1),
             })
-            if record.status == Status.VALID.value and self.memory is not None:
+            if record.status is Status.VALID and self.memory is not None:
+                job.tier = Tier.MEMORY
                 kept = self.memory.hold(snapshot, request.level)
             return record
         except Exception:
@@ -679,12 +700,12 @@ class CheckpointPilot:
     def _put_to_peers(self, snapshot: Snapshot, request: _SaveRequest, stall: float, t0: float,
                       meta: bytes, base: tuple[int, Any] | None) -> SaveRecord | None:
         assert self.peers is not None and snapshot.arena is not None
-        key = (self.run_id, snapshot.step, self.rank, "peer")
+        key = CheckpointKey(self.run_id, snapshot.step, self.rank, Tier.PEER)
         self._retire_existing(key, None)
         metric_name, metric_value = request.metric or (None, None)
         self.store.add_pending(
             run_id=self.run_id, step=snapshot.step, rank=self.rank, level=request.level,
-            tier="peer", location=f"peer:{self.peers.run_id}/{snapshot.step}",
+            tier=Tier.PEER, location=f"peer:{self.peers.run_id}/{snapshot.step}",
             sha256=hashlib.sha256(meta).hexdigest(), retention_class=request.retention_class,
             score=request.score, metric_name=metric_name, metric_value=metric_value,
             bytes_raw=snapshot.nbytes, codec="raw", seconds_snapshot=stall,
@@ -698,7 +719,7 @@ class CheckpointPilot:
                         if request.level == Level.PULSE.value else "")
             return None
         self._peer_step = snapshot.step
-        for row in self.store.rows(self.run_id, rank=self.rank, tier="peer"):
+        for row in self.store.rows(self.run_id, rank=self.rank, tier=Tier.PEER):
             if row.step < snapshot.step and row.status is Status.VALID:
                 # The peers dropped it on this commit: they keep one state per run.
                 self.store.mark(row.key, Status.EXPIRED,
@@ -713,12 +734,12 @@ class CheckpointPilot:
                  len(result.endpoints), result.bytes_sent / 1e6, result.delta_shards,
                  result.full_shards, snapshot.nbytes / 1e6, stall * 1e3, seconds,
                  request.reason)
-        return SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
-                          retention_class=request.retention_class, stall_seconds=stall,
-                          persist_seconds=seconds, validate_seconds=0.0,
-                          bytes=result.bytes_sent, location=location,
-                          status=Status.VALID.value, bytes_raw=snapshot.nbytes,
-                          write_seconds=result.seconds, tier="peer")
+        return SaveRecord(step=snapshot.step, level=Level(request.level), reason=request.reason,
+                          retention_class=RetentionClass(request.retention_class),
+                          stall_seconds=stall, persist_seconds=seconds, validate_seconds=0.0,
+                          bytes=result.bytes_sent, location=location, status=Status.VALID,
+                          bytes_raw=snapshot.nbytes, write_seconds=result.seconds,
+                          tier=Tier.PEER)
 
     def _persist_to_remote(self, snapshot: Snapshot, request: _SaveRequest,
                            stall: float) -> SaveRecord:
@@ -742,12 +763,12 @@ class CheckpointPilot:
         write_seconds = time.perf_counter() - t0
         if codec_for is not None:
             _trim_heap()
-        key = (self.run_id, snapshot.step, self.rank, "remote")
+        key = CheckpointKey(self.run_id, snapshot.step, self.rank, Tier.REMOTE)
         self._retire_existing(key, staged.name)
         metric_name, metric_value = request.metric or (None, None)
         self.store.add_pending(
             run_id=self.run_id, step=snapshot.step, rank=self.rank, level=request.level,
-            tier="remote", location=self.remote.path(staged.staging),
+            tier=Tier.REMOTE, location=self.remote.path(staged.staging),
             sha256=staged.manifest["self_sha256"], retention_class=request.retention_class,
             score=request.score, metric_name=metric_name, metric_value=metric_value,
             bytes_raw=snapshot.nbytes, bytes_encoded=staged.bytes,
@@ -769,24 +790,26 @@ class CheckpointPilot:
                       "%s: %s. The previous valid checkpoint stays the recovery point.",
                       snapshot.step, location, check.reason)
         seconds = time.perf_counter() - t0
-        record = SaveRecord(step=snapshot.step, level=request.level, reason=request.reason,
-                            retention_class=request.retention_class, stall_seconds=stall,
-                            persist_seconds=seconds, validate_seconds=check.seconds,
-                            bytes=staged.bytes, location=location, status=status.value,
-                            bytes_raw=snapshot.nbytes, write_seconds=write_seconds)
+        record = SaveRecord(step=snapshot.step, level=Level(request.level),
+                            reason=request.reason,
+                            retention_class=RetentionClass(request.retention_class),
+                            stall_seconds=stall, persist_seconds=seconds,
+                            validate_seconds=check.seconds, bytes=staged.bytes,
+                            location=location, status=status, bytes_raw=snapshot.nbytes,
+                            write_seconds=write_seconds, tier=Tier.REMOTE)
         log.info("saved %s step %d: %.1f MB (%.1f MB raw), stall %.1f ms, persisted in "
                  "%.2f s (write %.2f s, validation %.2f s), %s (%s)", request.level,
                  snapshot.step, staged.bytes / 1e6, snapshot.nbytes / 1e6, stall * 1e3,
                  seconds, write_seconds, check.seconds, status.value, request.reason)
         return record
 
-    def _retire_existing(self, key: tuple[str, int, int, str], name: str | None) -> None:
+    def _retire_existing(self, key: CheckpointKey, name: str | None) -> None:
         """A run resumed from an earlier step saves a step again: the old copy (from the
         abandoned continuation) is set aside and its row expired, never silently replaced."""
         row = self.store.get(key)
         if row is None or row.status not in (Status.PENDING, Status.VALID):
             return
-        note = f"superseded by a new save of step {key[1]} after resuming from an earlier step"
+        note = f"superseded by a new save of step {key.step} after resuming from an earlier step"
         location = row.location
         if name is not None and self.remote.exists(name):
             location = self.remote.path(self.remote.set_aside(name, "superseded"))
@@ -952,7 +975,7 @@ class CheckpointPilot:
             options.setdefault(target, []).append(_RestoreOption(
                 f"peer:{self.peers.run_id}/{target}", partial(self._read_peer, target),
                 (*_PEER_ERRORS, RuntimeError),
-                partial(self._mark_failed_on_restore, target, "peer")))
+                partial(self._mark_failed_on_restore, target, Tier.PEER)))
         for cand in plan.attempts:
             expected = digests.get(cand.step) if cand.status is not None else None
             options.setdefault(cand.step, []).append(_RestoreOption(
@@ -1012,7 +1035,7 @@ class CheckpointPilot:
         one checkpoint."""
         if self.peers is None:
             return []
-        rows = self.store.rows(self.run_id, rank=self.rank, tier="peer")
+        rows = self.store.rows(self.run_id, rank=self.rank, tier=Tier.PEER)
         if rows:
             steps = {r.step for r in rows if r.status is Status.VALID}
         else:
@@ -1123,14 +1146,13 @@ class CheckpointPilot:
         for name, step in published.items():
             row = rows.get(step)
             if row is not None:
-                candidates.append(Candidate(step, row.level.value, "remote", name,
-                                            row.status.value))
+                candidates.append(Candidate(step, row.level, Tier.REMOTE, name, row.status))
                 continue
             try:  # no metadata (database lost or rebuilt): the manifest says what it is
                 level = read_manifest(self.remote, name)["level"]
             except (CheckpointFormatError, OSError):
                 level = "unknown"
-            candidates.append(Candidate(step, level, "remote", name, None))
+            candidates.append(Candidate(step, level, Tier.REMOTE, name, None))
         missing = [
             (row.step, SkippedCheckpoint(row.location, (
                 f"recorded valid but cannot list {self.remote.url}: {unlisted}" if unlisted
@@ -1147,12 +1169,12 @@ class CheckpointPilot:
     def _rows_by_step(self) -> dict[int, CheckpointRow]:
         """This rank's remote rows, the newest row of each step."""
         rows: dict[int, CheckpointRow] = {}
-        for row in self.store.rows(self.run_id, rank=self.rank, tier="remote"):
+        for row in self.store.rows(self.run_id, rank=self.rank, tier=Tier.REMOTE):
             rows.setdefault(row.step, row)
         return rows
 
-    def _mark_failed_on_restore(self, step: int, tier: str, error: BaseException) -> None:
-        row = self.store.get((self.run_id, step, self.rank, tier))
+    def _mark_failed_on_restore(self, step: int, tier: Tier, error: BaseException) -> None:
+        row = self.store.get(CheckpointKey(self.run_id, step, self.rank, tier))
         if row is not None and row.status in (Status.VALID, Status.PENDING):
             self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {error}"[:2000])
 
@@ -1160,7 +1182,7 @@ class CheckpointPilot:
         """Only wrong bytes mark a remote copy corrupted; an I/O error may pass (a flaky
         mount) and must not condemn a good checkpoint to the next prune."""
         if isinstance(error, CheckpointFormatError):
-            self._mark_failed_on_restore(step, "remote", error)
+            self._mark_failed_on_restore(step, Tier.REMOTE, error)
 
     # -- instability rollback --------------------------------------------------------------
 
@@ -1202,8 +1224,9 @@ class CheckpointPilot:
         suspect = onset - 1
         if self._protected_onset != onset:
             self._protected_onset = onset
-            self._inflight.append((self.step, self._executor.submit(self._protect_before,
-                                                                    suspect)))
+            job = _InFlight(self.step, "rollback protection")
+            job.future = self._executor.submit(self._protect_before, suspect)
+            self._inflight.append(job)
         if not self.policy.rollback.enabled:
             log.warning("loss spike at step %d: %s; the newest checkpoint before step %d is "
                         "kept for good as critical (rollback is off)", self.step, reason,
@@ -1334,8 +1357,8 @@ class CheckpointPilot:
 
     def flush(self) -> None:
         """Wait for every pending save; raises the first background error."""
-        for _, future in list(self._inflight):
-            future.exception()
+        for job in list(self._inflight):
+            job.future.exception()
         self._raise_background_errors()
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ from enum import Enum
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from ckptpilot.policy import RetentionPolicy
-from ckptpilot.scheduler.decision import RetentionClass
+from ckptpilot.vocab import Level, RetentionClass, Status, Tier
 
 __all__ = [
     "BestPolicy",
@@ -61,12 +61,6 @@ __all__ = [
     "plan_retention",
     "repair",
 ]
-
-_PENDING = "pending"
-_VALID = "valid"
-_CORRUPTED = "corrupted"
-_EXPIRED = "expired"
-
 
 class RetentionRow(Protocol):
     """The fields of a checkpoint row the planner reads (``CheckpointRow`` has them).
@@ -83,15 +77,15 @@ class RetentionRow(Protocol):
     @property
     def rank(self) -> int: ...
     @property
-    def level(self) -> str: ...
+    def level(self) -> Level | str: ...
     @property
-    def tier(self) -> str: ...
+    def tier(self) -> Tier | str: ...
     @property
     def location(self) -> str: ...
     @property
-    def status(self) -> str: ...
+    def status(self) -> Status | str: ...
     @property
-    def retention_class(self) -> str: ...
+    def retention_class(self) -> RetentionClass | str: ...
     @property
     def metric_name(self) -> str | None: ...
     @property
@@ -115,13 +109,13 @@ class RetentionStore(Protocol):
     row's file is gone, with an audit entry.
     """
 
-    def compare_and_mark(self, key: int, status: str, *,
+    def compare_and_mark(self, key: int, status: Status, *,
                          expect: Mapping[str, Any]) -> object | None: ...
 
     def finish_removal(self, key: int, *, action: str,
                        details: Mapping[str, Any]) -> object: ...
 
-    def rows(self, *, status: str) -> Sequence[StoredRow]: ...
+    def rows(self, *, status: Status) -> Sequence[StoredRow]: ...
 
 
 R = TypeVar("R", bound=RetentionRow)
@@ -223,19 +217,19 @@ def plan_retention(
     ``rows`` may span several runs, ranks, levels and tiers and come in any order; the plan
     depends only on their content. A kept row lists every rule that keeps it.
     """
-    live = [row for row in rows if _text(row.status) != _EXPIRED]
+    live = [row for row in rows if _text(row.status) != Status.EXPIRED]
     keep: dict[int, list[str]] = defaultdict(list)
     remove: dict[int, str] = {}
 
     for row in live:
-        if _text(row.status) == _PENDING:
+        if _text(row.status) == Status.PENDING:
             keep[row.id].append("pending (save in flight)")
         if _text(row.retention_class) == RetentionClass.MILESTONE.value:
             keep[row.id].append("milestone (pinned)")
-        if _text(row.status) == _CORRUPTED:
+        if _text(row.status) == Status.CORRUPTED:
             remove[row.id] = "corrupted: never a recovery point"
 
-    valid = [row for row in live if _text(row.status) == _VALID]
+    valid = [row for row in live if _text(row.status) == Status.VALID]
     by_tier: dict[tuple[str, int, str], list[R]] = defaultdict(list)
     by_group: dict[tuple[str, int, str, str], list[R]] = defaultdict(list)
     for row in valid:
@@ -326,7 +320,7 @@ def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
     for row, reason in plan.remove:
         expect = {"status": _text(row.status), "retention_class": _text(row.retention_class),
                   "location": row.location}
-        if store.compare_and_mark(row.id, _EXPIRED, expect=expect) is None:
+        if store.compare_and_mark(row.id, Status.EXPIRED, expect=expect) is None:
             skipped.append((row.id, "changed or gone since the plan was made"))
             continue
         try:
@@ -351,7 +345,7 @@ def repair(store: RetentionStore, exists: Callable[[StoredRow], bool],
     """
     removed: list[int] = []
     failed: list[tuple[int, str]] = []
-    for row in store.rows(status=_EXPIRED):
+    for row in store.rows(status=Status.EXPIRED):
         if row.removed_at is not None:
             continue
         try:

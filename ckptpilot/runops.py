@@ -23,15 +23,10 @@ from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
 from ckptpilot.rundir import aside_path, every_lease, read_run_id, run_identity
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
-from ckptpilot.storage.metadata import (
-    CheckpointRow,
-    MetadataCorruptError,
-    MetadataStore,
-    Status,
-    Tier,
-)
+from ckptpilot.storage.metadata import CheckpointRow, MetadataCorruptError, MetadataStore
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
+from ckptpilot.vocab import CheckpointKey, Status, Tier
 
 DB_NAME = "metadata.sqlite"
 _DB_SUFFIXES = ("", "-wal", "-shm")
@@ -159,7 +154,7 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
             raise OpError(f"no published checkpoint of step {step} in {run.remote.url}")
         plan = []
         for rank, name in targets:
-            row = store.get((run.run_id, step, rank, "remote"))
+            row = store.get(CheckpointKey(run.run_id, step, rank, Tier.REMOTE))
             status = row.status.value if row is not None else "unknown"
             try:
                 manifest = read_manifest(run.remote, name)
@@ -184,12 +179,12 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
         for s, rank, name in later:
             aside = run.remote.set_aside(name, f"abandoned-by-recover-{step}")
             abandoned.append(aside)
-            row = store.get((run.run_id, s, rank, "remote"))
+            row = store.get(CheckpointKey(run.run_id, s, rank, Tier.REMOTE))
             if row is not None and row.status is not Status.EXPIRED:
                 target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
                 store.mark(row.key, target, location=run.remote.path(aside),
                            note=f"abandoned by `ckptpilot recover --step {step}`")
-        for row in store.rows(run.run_id, tier="peer"):
+        for row in store.rows(run.run_id, tier=Tier.PEER):
             # Peer copies of the abandoned continuation: their rows are what makes a restore
             # consider them, and the peers drop them as newer saves supersede them.
             if row.step > step and row.status in (Status.VALID, Status.PENDING):
@@ -305,7 +300,7 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
     would_mark = {Status.VALID: 0, Status.CORRUPTED: 0}
     try:
         for step, rank, name in run.published():
-            key = (run.run_id, step, rank, "remote")
+            key = CheckpointKey(run.run_id, step, rank, Tier.REMOTE)
             try:
                 manifest = read_manifest(run.remote, name)
             except CheckpointFormatError as e:
@@ -353,7 +348,7 @@ def _row_from_manifest(store: MetadataStore, run: Run, manifest: dict[str, objec
     return store.add_pending(
         run_id=run.run_id, step=int(manifest["step"]),  # type: ignore[call-overload]
         rank=int(manifest["rank"]),  # type: ignore[call-overload]
-        level=str(manifest["level"]), tier="remote", location=run.remote.path(name),
+        level=str(manifest["level"]), tier=Tier.REMOTE, location=run.remote.path(name),
         sha256=str(manifest["self_sha256"]),
         retention_class=str(manifest.get("retention_class", "routine")),
         score=manifest.get("score"),  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -160,6 +162,34 @@ def test_background_failure_surfaces_on_close(tmp_path: Path) -> None:
     job.step()
     with pytest.raises(CheckpointWriteError, match="step 1"):
         job.pilot.close()
+
+
+def test_a_background_failure_names_the_tier_it_happened_in(tmp_path: Path) -> None:
+    """A save that fails on its way to the peers blames the peer tier, not the remote URL.
+    The metadata database refuses peer rows (a trigger), so the failure happens before any
+    byte is sent and needs no daemon."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text(textwrap.dedent(f"""\
+        scheduler: {{base_interval: 500, young_daly: false}}
+        tiers: {{peer: {{enabled: true, endpoints: ["{endpoint}"], data_shards: 1,
+                        parity: false, timeout_seconds: 1, probe_interval: 0.2}}}}
+        observability: {{tensorboard: false, decision_log: false}}
+        """))
+    model = torch.nn.Linear(4, 4)
+    pilot = CheckpointPilot(cfg, model=model, run_dir=tmp_path / "run")
+    with sqlite3.connect(tmp_path / "run" / "metadata.sqlite") as db:
+        db.execute("CREATE TRIGGER no_peer_rows BEFORE INSERT ON checkpoints "
+                   "WHEN NEW.tier = 'peer' BEGIN SELECT RAISE(ABORT, 'peer rows refused'); END")
+    assert pilot.save("pulse")
+    with pytest.raises(CheckpointWriteError,
+                       match=rf"background save of step 0 to the peer tier \({endpoint}\) "
+                             r"failed: .*peer rows refused") as caught:
+        pilot.flush()
+    assert pilot.remote.url not in str(caught.value)
+    pilot.close()
 
 
 def test_back_pressure_blocks_instead_of_queueing(tmp_path: Path,

@@ -1,33 +1,18 @@
 """Plain data exchanged between the health probes, the scheduler and the pilot.
 
 Frozen dataclasses only: no behaviour, no I/O, so every producer and consumer can be tested
-with values built by hand.
+with values built by hand. ``Level`` and ``RetentionClass`` belong to ``ckptpilot.vocab`` and
+are re-exported here for the scheduler's callers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+from ckptpilot.vocab import Level, RetentionClass
 
-class Level(str, Enum):
-    """What a checkpoint contains (SPEC §2); the int value is the TensorBoard level."""
-
-    HEARTBEAT = "heartbeat"
-    PULSE = "pulse"
-    ORGAN = "organ"
-
-    @property
-    def rank(self) -> int:
-        return {"heartbeat": 0, "pulse": 1, "organ": 2}[self.value]
-
-
-class RetentionClass(str, Enum):
-    CRITICAL = "critical"
-    IMPORTANT = "important"
-    ROUTINE = "routine"
-    MILESTONE = "milestone"
+__all__ = ["CheckpointDecision", "Level", "RetentionClass", "SystemHealth"]
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
 from ckptpilot.errors import CkptPilotError, NoCheckpointError
-from ckptpilot.scheduler.decision import Level, RetentionClass
+from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Status, Tier
 
 # Jitter for lock/retry back-off from a private generator: drawing from the global `random`
 # would consume the training job's Python RNG and break a bit-exact resume.
@@ -104,23 +104,6 @@ __all__ = [
     "StatusTransitionError",
     "Tier",
 ]
-
-
-class Tier(str, Enum):
-    """Where a checkpoint lives (SPEC §2), fastest first."""
-
-    MEMORY = "memory"
-    PEER = "peer"
-    REMOTE = "remote"
-
-
-class Status(str, Enum):
-    """Life cycle of a checkpoint row; see :data:`_TRANSITIONS` for the allowed moves."""
-
-    PENDING = "pending"
-    VALID = "valid"
-    CORRUPTED = "corrupted"
-    EXPIRED = "expired"
 
 
 # Allowed status moves. A row found corrupted never becomes valid again (its bytes may be
@@ -240,9 +223,9 @@ class CheckpointRow:
     note: str
 
     @property
-    def key(self) -> tuple[str, int, int, Tier]:
+    def key(self) -> CheckpointKey:
         """The natural key ``(run_id, step, rank, tier)``, accepted wherever a row id is."""
-        return (self.run_id, self.step, self.rank, self.tier)
+        return CheckpointKey(self.run_id, self.step, self.rank, self.tier)
 
 
 @dataclass(frozen=True)
@@ -256,8 +239,9 @@ class AuditEntry:
     details: dict[str, Any]
 
 
-RowKey = int | tuple[str, int, int, "Tier | str"]
-"""A row id, or the natural key ``(run_id, step, rank, tier)``."""
+RowKey = int | CheckpointKey | tuple[str, int, int, "Tier | str"]
+"""A row id, or the natural key ``(run_id, step, rank, tier)``: a :class:`CheckpointKey` or a
+plain tuple whose tier is a :class:`Tier` or its name."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,16 +16,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-TIER_SPEED = {"memory": 0, "peer": 1, "remote": 2}
+from ckptpilot.vocab import Level, Status, Tier
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One copy of one step. ``level`` is a plain string when the copy's own manifest
+    cannot say (``"unknown"``); ``status`` is None when the metadata store has no row."""
+
     step: int
-    level: str
-    tier: str
+    level: Level | str
+    tier: Tier
     name: str
-    status: str | None  # from the metadata store; None when the store has no row
+    status: Status | None
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,13 @@ def plan_recovery(candidates: Sequence[Candidate], *, max_walk: int = 5,
     for c in candidates:
         if step is not None and c.step != step:
             continue
-        if c.status not in (None, "valid"):
-            excluded.append((c, f"marked {c.status} in the metadata store"))
+        if c.status is not None and c.status != Status.VALID:
+            excluded.append((c, f"marked {Status(c.status).value} in the metadata store"))
         else:
             usable.append(c)
-    usable.sort(key=lambda c: (-c.step, TIER_SPEED.get(c.tier, 99)))
+    usable.sort(key=lambda c: (-c.step, Tier(c.tier).speed))
     attempts = usable[:max_walk]
-    organ = next((c for c in usable[max_walk:] if c.level == "organ"), None)
+    organ = next((c for c in usable[max_walk:] if c.level == Level.ORGAN), None)
     if organ is not None:
         attempts.append(organ)
     return RecoveryPlan(attempts=tuple(attempts), excluded=tuple(excluded))
