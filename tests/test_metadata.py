@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from ckptpilot.errors import NoCheckpointError
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import execute_plan, plan_retention
-from ckptpilot.scheduler.decision import Level, RetentionClass
 from ckptpilot.storage import metadata
 from ckptpilot.storage.archive import checkpoint_name
 from ckptpilot.storage.metadata import (
@@ -32,6 +31,7 @@ from ckptpilot.storage.metadata import (
     StatusTransitionError,
     Tier,
 )
+from ckptpilot.vocab import CheckpointKey, Level, RetentionClass
 
 
 def sha(text: str) -> str:
@@ -127,6 +127,8 @@ def test_every_field_round_trips(store: MetadataStore) -> None:
     assert marked.updated_at >= marked.created_at == row.created_at
     assert store.get(row.id) == marked == store.get(("run", 110, 0, "peer"))
     assert store.get(12345) is None and store.get(("run", 110, 0, Tier.MEMORY)) is None
+    assert row.key == CheckpointKey("run", 110, 0, Tier.PEER) and row.key.tier is Tier.PEER
+    assert store.get(CheckpointKey("run", 110, 0, Tier.PEER)) == marked
 
     metric = store.set_metric(row.id, "accuracy", 0.93)
     assert (metric.metric_name, metric.metric_value) == ("accuracy", 0.93)
