@@ -18,13 +18,11 @@ import contextlib
 import itertools
 import json
 import os
-import random
 import signal
 import sys
 
-import numpy as np
 import torch
-from helpers import save_final_state
+from helpers import save_final_state, seeded_data
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
 from ckptpilot.fit.job import Net  # the same small real model `ckptpilot fit` trains
@@ -94,12 +92,7 @@ def main() -> None:
     if a.kill_in_save is not None:
         _inject_kill_in_save(a.kill_in_save, a.kill_point)
 
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(512, 16, generator=gen)
-    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+    x, y = seeded_data()
 
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import safetensors.torch
 import torch
 
@@ -42,3 +44,15 @@ def save_final_state(model: torch.nn.Module, opt: torch.optim.Optimizer, path: s
             tensors[f"opt/{pid}/{k}"] = v.contiguous()
     safetensors.torch.save_file(tensors, path)
     Path(path + ".json").write_text(json.dumps({"param_groups": sd["param_groups"], **extra}))
+
+
+def seeded_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed python, numpy and torch as the crash-test children do, and return their data:
+    512 samples of 16 features, 4 classes from the signs of two feature sums."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(512, 16, generator=gen)
+    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+    return x, y

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from helpers import save_final_state
+from helpers import save_final_state, seeded_data
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
 from ckptpilot.fit.job import Net
@@ -75,12 +75,7 @@ def main() -> None:
     p.add_argument("--skip", type=int)
     a = p.parse_args()
 
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(512, 16, generator=gen)
-    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+    x, y = seeded_data()
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sampler = ResumableSampler(len(x), seed=7, batch_size=BATCH)
