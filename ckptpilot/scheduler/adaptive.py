@@ -110,7 +110,18 @@ class AdaptiveCheckpointScheduler:
         self._training_hazard = Hazard(policy.system.hazard_window_steps)
         weights = policy.weights
         self._w_loss, self._w_grad, self._w_system = weights.loss, weights.grad, weights.system
+        # Policy values read at every step, copied once (attribute chains cost on this path).
+        self._min_interval = policy.min_interval
+        self._max_interval = policy.max_interval
+        self._trigger_threshold = policy.trigger_threshold
+        self._refractory_fraction = policy.trigger_refractory_fraction
+        self._alarm_signal = policy.system.alarm_signal
+        self._critical_score = self.retention.critical_score
+        self._important_score = self.retention.important_score
         self._base = policy.base_interval
+        self._quiet_interval = self._interval_for(0.0)
+        self._daly_costs: tuple[float, float] | None = None
+        self._daly_seconds = math.inf
         self._last_save_step = 0
         self._saves_since_organ = 0
         self._hard_errors_reading = 0
@@ -148,20 +159,30 @@ class AdaptiveCheckpointScheduler:
         with a WARNING the first time each cost is bad, and the interval falls back to the
         policy's, which is what it is without a cost model.
         """
-        save_seconds = self._known_cost("save_seconds", save_seconds)
-        mtbf_seconds = self._known_cost("mtbf_seconds", mtbf_seconds)
-        step_seconds = self._known_cost("step_seconds", step_seconds)
-        base = self.policy.base_interval
+        # The pilot hands its costs over at every step: plain positive floats skip the checks.
+        if not (save_seconds.__class__ is float and 0.0 < save_seconds < math.inf):
+            save_seconds = self._known_cost("save_seconds", save_seconds)
+        if not (mtbf_seconds.__class__ is float and 0.0 < mtbf_seconds < math.inf):
+            mtbf_seconds = self._known_cost("mtbf_seconds", mtbf_seconds)
+        if not (step_seconds.__class__ is float and 0.0 < step_seconds < math.inf):
+            step_seconds = self._known_cost("step_seconds", step_seconds)
+        policy = self.policy
+        base = policy.base_interval
         if (
-            self.policy.young_daly
+            policy.young_daly
             and save_seconds is not None
             and mtbf_seconds is not None
             and step_seconds is not None
         ):
-            bound_steps = daly_interval(save_seconds, mtbf_seconds) / step_seconds
+            if (save_seconds, mtbf_seconds) != self._daly_costs:  # they change per save
+                self._daly_costs = (save_seconds, mtbf_seconds)
+                self._daly_seconds = daly_interval(save_seconds, mtbf_seconds)
+            bound_steps = self._daly_seconds / step_seconds
             if bound_steps < base:  # also False for an infinite bound: no cap
-                base = max(self.policy.min_interval, math.floor(bound_steps))
-        self._base = base
+                base = max(self._min_interval, math.floor(bound_steps))
+        if base != self._base:
+            self._base = base
+            self._quiet_interval = self._interval_for(0.0)
 
     def _known_cost(self, name: str, value: float | None) -> float | None:
         if value is None:
@@ -265,22 +286,35 @@ class AdaptiveCheckpointScheduler:
         caller that ends up saving something else (or at another step) reports that through
         :meth:`note_save`.
         """
-        loss = _unit(signals["loss"])
-        grad = _unit(signals["grad"])
-        system = _unit(signals["system"])
-        new_hard_errors = float(signals["hard_errors"])
-        if not (math.isfinite(new_hard_errors) and new_hard_errors >= 0):
-            raise ValueError(f"hard_errors must be a count >= 0, got {new_hard_errors!r}")
+        # Clamped inline (NaN counts as 0): this runs on the training thread at every step.
+        loss = signals["loss"]
+        loss = (1.0 if loss > 1.0 else float(loss)) if loss > 0.0 else 0.0
+        grad = signals["grad"]
+        grad = (1.0 if grad > 1.0 else float(grad)) if grad > 0.0 else 0.0
+        system = signals["system"]
+        system = (1.0 if system > 1.0 else float(system)) if system > 0.0 else 0.0
+        new_hard_errors = signals["hard_errors"]
+        if new_hard_errors:
+            new_hard_errors = float(new_hard_errors)
+            if not (math.isfinite(new_hard_errors) and new_hard_errors >= 0):
+                raise ValueError(f"hard_errors must be a count >= 0, got {new_hard_errors!r}")
         non_finite = signals["non_finite"] > 0
         training_precursor = non_finite or loss >= PRECURSOR_SIGNAL or grad >= PRECURSOR_SIGNAL
         training_hazard = self._training_hazard.update(step, training_precursor)
         health = system if system > training_hazard else 0.0
-        alarm = health >= self.policy.system.alarm_signal
+        alarm = health >= self._alarm_signal
         score = self._w_loss * loss + self._w_grad * grad + self._w_system * system
-        interval = self._interval_for(self._w_grad * grad + self._w_system * health)
         if alarm:
-            interval = self.policy.min_interval
-        klass = self._class_for(score, loss)
+            interval = self._min_interval
+        else:
+            shortening = self._w_grad * grad + self._w_system * health
+            interval = self._interval_for(shortening) if shortening else self._quiet_interval
+        if score >= self._critical_score and loss < PRECURSOR_SIGNAL:
+            klass = RetentionClass.CRITICAL
+        elif score >= self._important_score:
+            klass = RetentionClass.IMPORTANT
+        else:
+            klass = RetentionClass.ROUTINE
         clean = {"loss": loss, "grad": grad, "system": system}
 
         if non_finite:
@@ -290,7 +324,7 @@ class AdaptiveCheckpointScheduler:
             return self._decision(step, None, interval, score, clean, reason, klass,
                                   non_finite=True)
 
-        threshold = self.policy.trigger_threshold
+        threshold = self._trigger_threshold
         triggered = self._trigger_armed and score >= threshold
         self._trigger_armed = score < threshold
         alarm_started = alarm and not self._alarm_on
@@ -308,10 +342,9 @@ class AdaptiveCheckpointScheduler:
             return self._decision(step, Level.ORGAN, interval, score, clean, reason, klass,
                                   emergency=True)
         since = step - self._last_save_step
-        refractory = self.policy.trigger_refractory_fraction * self._base
         if alarm_started:
-            reason = f"alarm: health {health:.2f} >= {self.policy.system.alarm_signal:g}"
-        elif triggered and since >= refractory:
+            reason = f"alarm: health {health:.2f} >= {self._alarm_signal:g}"
+        elif triggered and since >= self._refractory_fraction * self._base:
             reason = f"trigger: score {score:.2f} >= {threshold:g}"
         else:
             if since < interval:
@@ -363,14 +396,7 @@ class AdaptiveCheckpointScheduler:
         reduced = self._base * (1.0 - min(score, MAX_SCORE_REDUCTION))
         # Half-up rounding; Python's round() would round 62.5 to 62 but 63.5 to 64.
         interval = math.floor(reduced + 0.5)
-        return min(max(interval, self.policy.min_interval), self.policy.max_interval)
-
-    def _class_for(self, score: float, loss: float) -> RetentionClass:
-        if score >= self.retention.critical_score and loss < PRECURSOR_SIGNAL:
-            return RetentionClass.CRITICAL
-        if score >= self.retention.important_score:
-            return RetentionClass.IMPORTANT
-        return RetentionClass.ROUTINE
+        return min(max(interval, self._min_interval), self._max_interval)
 
     def _record_save(self, step: int, level: Level) -> None:
         self._last_save_step = step
