@@ -226,12 +226,15 @@ def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
 
 def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "", retention_class: str = "routine",
-                score: float | None = None, codec_for: CodecFor | None = None) -> StagedArchive:
+                score: float | None = None, codec_for: CodecFor | None = None,
+                created_unix: float | None = None) -> StagedArchive:
     """Write ``snapshot`` into a fresh staging directory, manifest last; publish separately
     (after validation) with ``tier.publish(staged.staging, staged.name)``.
 
     With ``codec_for`` the tensors go into a codec container (``tensors.ckpt``), each encoded
     by the codec it names (encoding overlaps writing); without, into ``tensors.safetensors``.
+    ``created_unix`` stamps the manifest (default: the clock); a given one makes the archive's
+    bytes a function of its inputs, which is how the golden files pin them.
     """
     meta = snapshot.meta
     name = checkpoint_name(snapshot.step, meta["rank"])
@@ -262,7 +265,7 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
         "reason": reason,
         "retention_class": retention_class,
         "score": score,
-        "created_unix": time.time(),
+        "created_unix": time.time() if created_unix is None else created_unix,
         "state_bytes": snapshot.nbytes,
         "files": files,
     }

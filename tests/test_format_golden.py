@@ -1,0 +1,272 @@
+"""Golden files: every format ckptpilot persists outside the codecs must read back forever.
+
+``tests/fixtures/format/`` holds one file (or archive directory) per persisted format and
+version: the peer image meta, the remote archive (manifest, state, tensors; safetensors and
+container kinds), the heartbeat ring (version 2 as written today, version 1 as still read) and
+the failure ledger (one record of each kind). Each test checks both directions: today's
+encoder reproduces the golden bytes exactly, and the golden decodes to the values it was made
+from. A failure of the first kind is a format change: bump the format's version and keep a
+golden of the old one.
+
+Inputs are fixed values, never the clock, a host name or a pid: wall times, uptimes and
+``created_unix`` are passed in. One field is left out: a ``run_end`` ledger record's
+``uptime_seconds`` exists only when the ledger stamped the run's start and end itself on the
+monotonic clock, so it cannot be pinned; the same field is pinned in the interruption record.
+
+To add fixtures for a new format version, run ``python tests/test_format_golden.py``; it writes
+only the files that are missing and never rewrites an existing one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptpilot.codecs import Codec, get_codec
+from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
+from ckptpilot.errors import IntegrityError
+from ckptpilot.state import Snapshot
+from ckptpilot.storage import archive
+from ckptpilot.storage.heartbeat import HeartbeatWriter, read_all
+from ckptpilot.storage.ledger import FailureLedger, Interruption, Rollback
+from ckptpilot.tiers.remote import RemoteTier
+
+FIXTURES = Path(__file__).parent / "fixtures" / "format"
+PEER_IMAGE = FIXTURES / "peer_image.v1.json"
+ARCHIVE_ROOT = FIXTURES / "archive.v1"
+SAFETENSORS_ARCHIVE = "step_00000007_rank_00000"
+CONTAINER_ARCHIVE = "step_00000008_rank_00000"
+RING_V2 = FIXTURES / "heartbeat.v2.ring"
+RING_V1 = FIXTURES / "heartbeat.v1.ring"
+LEDGER = FIXTURES / "ledger.v1.jsonl"
+
+CREATED_UNIX = 1700000000.25
+RING_SLOTS = 4
+RING_RECORD_BYTES = 128
+# (payload, wall time, uptime seconds) of the ring's records, seq 1..3.
+RING_RECORDS = (
+    ({"step": 7, "loss": 0.5}, 1700000000.25, 0.5),
+    ({"step": 8, "epoch": 0, "cursor": {"position": 8}}, 1700000001.5, 1.75),
+    ({"step": 9, "loss": float("nan")}, 1700000002.75, 3.0),
+)
+
+
+def golden_snapshot(step: int) -> Snapshot:
+    """Two tensors of different widths and a small state tree; values are plain arithmetic."""
+    tensors = {
+        "model/w": torch.arange(6, dtype=torch.float32).reshape(2, 3) / 8,
+        "model/count": torch.tensor([42, -1], dtype=torch.int16),
+    }
+    meta = {
+        "format_version": 1, "step": step, "rank": 0, "world_size": 1, "epoch": 2,
+        "model_keys": ["w", "count"], "extras": {"note": "golden"}, "lr": 0.125,
+    }
+    return Snapshot(step=step, tensors=tensors, meta=meta)
+
+
+def raw_codec_for(name: str, tensor: torch.Tensor) -> tuple[Codec, torch.Tensor | None]:
+    return get_codec("raw"), None
+
+
+def peer_image_meta() -> bytes:
+    """The peer image meta exactly as ``CheckpointPilot._persist_to_peers`` builds it."""
+    snapshot = golden_snapshot(7)
+    return json.dumps({
+        "format": "ckptpilot-peer-image-1", "step": snapshot.step, "rank": 0,
+        "level": "pulse", "reason": "interval", "retention_class": "routine", "score": 0.5,
+        "created_unix": CREATED_UNIX,
+        "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in snapshot.layout],
+        "state": snapshot.meta,
+    }, separators=(",", ":")).encode()
+
+
+def stage_golden_archives(tier: RemoteTier) -> None:
+    """Both archive kinds, published: safetensors (step 7) and codec container (step 8)."""
+    for step, codec_for in ((7, None), (8, raw_codec_for)):
+        staged = archive.stage_organ(
+            tier, golden_snapshot(step), level="organ", reason="golden",
+            retention_class="milestone", score=1.5, codec_for=codec_for,
+            created_unix=CREATED_UNIX)
+        tier.publish(staged.staging, staged.name)
+
+
+def write_ring_v2(path: Path) -> None:
+    with HeartbeatWriter(path, slots=RING_SLOTS, record_bytes=RING_RECORD_BYTES) as writer:
+        for data, wall, uptime in RING_RECORDS:
+            writer.write(data, wall_time=wall, uptime_seconds=uptime)
+
+
+def ring_v1_bytes() -> bytes:
+    """A version-1 ring of the same records, built from the layout in ``heartbeat.py``'s
+    docstring: no writer makes version 1 any more, but the reader still reads it."""
+    fields = struct.pack("<8sHHII", b"CKPHBEAT", 1, 4096, RING_SLOTS, RING_RECORD_BYTES)
+    ring = bytearray(4096 + RING_SLOTS * RING_RECORD_BYTES)
+    ring[:24] = fields + struct.pack("<I", zlib.crc32(fields))
+    for seq, (data, wall, _) in enumerate(RING_RECORDS, 1):
+        payload = json.dumps(data, separators=(",", ":")).encode()
+        crc = zlib.crc32(payload, zlib.crc32(struct.pack("<QdI", seq, wall, len(payload))))
+        slot = struct.pack("<4sIIIQd", b"HBS1", len(payload), crc, 0, seq, wall) + payload
+        offset = 4096 + (seq - 1) * RING_RECORD_BYTES
+        ring[offset:offset + len(slot)] = slot
+    return bytes(ring)
+
+
+GOLDEN_INTERRUPTION = Interruption(
+    wall_time=1500.0, failed_at=1400.0, last_step=420, recovered_step=400, steps_lost=20,
+    source="peer", recovery_seconds=3.25, uptime_seconds=390.5)
+GOLDEN_ROLLBACK = Rollback(wall_time=1600.0, step=450, onset=440, to_step=430,
+                           skipped_batches=20, reason="loss spike: 9.5 over a median of 2.0")
+
+
+def write_ledger(path: Path) -> None:
+    """One record of every kind, in the order a resumed run writes them."""
+    ledger = FailureLedger(path)
+    ledger.record_run_start(0, wall_time=1000.0)
+    i = GOLDEN_INTERRUPTION
+    ledger.record_interruption(
+        failed_at=i.failed_at, last_step=i.last_step, recovered_step=i.recovered_step,
+        source=i.source, recovery_seconds=i.recovery_seconds, uptime_seconds=i.uptime_seconds,
+        wall_time=i.wall_time)
+    ledger.record_run_start(400, wall_time=1500.0)
+    r = GOLDEN_ROLLBACK
+    ledger.record_rollback(step=r.step, onset=r.onset, to_step=r.to_step,
+                           skipped_batches=r.skipped_batches, reason=r.reason,
+                           wall_time=r.wall_time)
+    ledger.record_run_end(500, wall_time=1700.0)
+
+
+def write_missing_fixtures() -> list[Path]:
+    """Write the fixtures that do not exist yet; returns the paths written."""
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    created: list[Path] = []
+    if not PEER_IMAGE.exists():
+        PEER_IMAGE.write_bytes(peer_image_meta())
+        created.append(PEER_IMAGE)
+    if not ARCHIVE_ROOT.exists():
+        stage_golden_archives(RemoteTier(str(ARCHIVE_ROOT)))
+        created.append(ARCHIVE_ROOT)
+    if not RING_V2.exists():
+        write_ring_v2(RING_V2)
+        created.append(RING_V2)
+    if not RING_V1.exists():
+        RING_V1.write_bytes(ring_v1_bytes())
+        created.append(RING_V1)
+    if not LEDGER.exists():
+        write_ledger(LEDGER)
+        created.append(LEDGER)
+    return created
+
+
+if __name__ == "__main__":
+    written = write_missing_fixtures()
+    json.dump([str(p) for p in written], sys.stdout, indent=1)
+    print()
+
+
+def archive_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def golden_tier(tmp_path: Path) -> RemoteTier:
+    """A copy of the golden archives: reading must not depend on the fixtures being writable."""
+    shutil.copytree(ARCHIVE_ROOT, tmp_path / "remote")
+    return RemoteTier(str(tmp_path / "remote"))
+
+
+# -- peer image meta --------------------------------------------------------------------------
+
+
+def test_the_peer_image_meta_is_built_byte_for_byte_as_the_golden() -> None:
+    assert peer_image_meta() == PEER_IMAGE.read_bytes()
+
+
+def test_the_golden_peer_image_meta_holds_what_it_was_made_from() -> None:
+    meta = json.loads(PEER_IMAGE.read_bytes())
+    snapshot = golden_snapshot(7)
+    assert meta["format"] == "ckptpilot-peer-image-1"
+    assert (meta["step"], meta["rank"], meta["level"]) == (7, 0, "pulse")
+    assert [(k, DTYPES[d], tuple(s)) for k, d, s in meta["layout"]] == list(snapshot.layout)
+    assert meta["state"] == snapshot.meta
+
+
+# -- remote archive -----------------------------------------------------------------------------
+
+
+def test_todays_archive_writer_reproduces_the_golden_archives(tmp_path: Path) -> None:
+    stage_golden_archives(RemoteTier(str(tmp_path / "remote")))
+    assert archive_files(tmp_path / "remote") == archive_files(ARCHIVE_ROOT)
+
+
+@pytest.mark.parametrize("name", [SAFETENSORS_ARCHIVE, CONTAINER_ARCHIVE])
+def test_a_golden_archive_reads_back_bit_exact(tmp_path: Path, name: str) -> None:
+    tier = golden_tier(tmp_path)
+    manifest = archive.read_manifest(tier, name)
+    step = 7 if name == SAFETENSORS_ARCHIVE else 8
+    assert {k: manifest[k] for k in ("format", "format_version", "name", "step", "level",
+                                     "retention_class", "score", "created_unix")} == {
+        "format": "ckptpilot-organ", "format_version": 1, "name": name, "step": step,
+        "level": "organ", "retention_class": "milestone", "score": 1.5,
+        "created_unix": CREATED_UNIX}
+    loaded = archive.read_organ(tier, name, manifest_sha256=manifest["self_sha256"])
+    expected = golden_snapshot(step)
+    assert loaded.meta == expected.meta
+    assert set(loaded.tensors) == set(expected.tensors)
+    for key, tensor in expected.tensors.items():
+        got = loaded.tensor(key)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+
+
+def test_a_golden_manifest_with_one_changed_byte_is_refused(tmp_path: Path) -> None:
+    tier = golden_tier(tmp_path)
+    path = tmp_path / "remote" / SAFETENSORS_ARCHIVE / archive.MANIFEST_FILE
+    path.write_bytes(path.read_bytes().replace(b'"golden"', b'"g0lden"'))
+    with pytest.raises(IntegrityError, match=r"manifest\.json: SHA256 mismatch \(expected ed3e"):
+        archive.read_manifest(tier, SAFETENSORS_ARCHIVE)
+
+
+# -- heartbeat ring -----------------------------------------------------------------------------
+
+
+def test_todays_heartbeat_writer_reproduces_the_golden_ring(tmp_path: Path) -> None:
+    write_ring_v2(tmp_path / "heartbeat")
+    assert (tmp_path / "heartbeat").read_bytes() == RING_V2.read_bytes()
+
+
+@pytest.mark.parametrize("ring", [RING_V2, RING_V1], ids=["v2", "v1"])
+def test_a_golden_ring_reads_back_every_record(ring: Path) -> None:
+    records = read_all(ring)
+    assert [r.seq for r in records] == [1, 2, 3]
+    assert [r.wall_time for r in records] == [wall for _, wall, _ in RING_RECORDS]
+    expected_uptimes = [up for _, _, up in RING_RECORDS] if ring == RING_V2 else [None] * 3
+    assert [r.uptime_seconds for r in records] == expected_uptimes
+    assert [r.data["step"] for r in records] == [7, 8, 9]
+    assert records[1].data == RING_RECORDS[1][0]
+    assert str(records[2].data["loss"]) == "nan"  # a NaN loss is kept, not dropped
+
+
+# -- failure ledger -----------------------------------------------------------------------------
+
+
+def test_todays_ledger_writes_the_golden_lines(tmp_path: Path) -> None:
+    write_ledger(tmp_path / "failures.jsonl")
+    assert (tmp_path / "failures.jsonl").read_bytes() == LEDGER.read_bytes()
+
+
+def test_the_golden_ledger_reads_back_every_record_kind(tmp_path: Path) -> None:
+    path = tmp_path / "failures.jsonl"
+    path.write_bytes(LEDGER.read_bytes())
+    ledger = FailureLedger(path)
+    assert ledger.interruptions() == [GOLDEN_INTERRUPTION]
+    assert ledger.rollbacks() == [GOLDEN_ROLLBACK]
+    assert ledger.last_kind() == "run_end"
+    assert ledger.mtbf_seconds(now=1700.0) == 390.5 + 200.0
+    kinds = [json.loads(line)["kind"] for line in LEDGER.read_text().splitlines()]
+    assert kinds == ["run_start", "interruption", "run_start", "rollback", "run_end"]
