@@ -19,24 +19,29 @@ only the files that are missing and never rewrites an existing one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ckptpilot.codecs import Codec, get_codec
-from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
-from ckptpilot.errors import IntegrityError
+from ckptpilot.errors import CheckpointFormatError, IntegrityError
+from ckptpilot.format.image import ImageMeta
+from ckptpilot.format.ledger_line import parse_line
+from ckptpilot.format.manifest import build_manifest, decode_manifest, encode_manifest
 from ckptpilot.state import Snapshot
 from ckptpilot.storage import archive
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_all
 from ckptpilot.storage.ledger import FailureLedger, Interruption, Rollback
 from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.vocab import Level, RetentionClass
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format"
 PEER_IMAGE = FIXTURES / "peer_image.v1.json"
@@ -75,16 +80,10 @@ def raw_codec_for(name: str, tensor: torch.Tensor) -> tuple[Codec, torch.Tensor 
     return get_codec("raw"), None
 
 
-def peer_image_meta() -> bytes:
-    """The peer image meta exactly as ``CheckpointPilot._persist_to_peers`` builds it."""
-    snapshot = golden_snapshot(7)
-    return json.dumps({
-        "format": "ckptpilot-peer-image-1", "step": snapshot.step, "rank": 0,
-        "level": "pulse", "reason": "interval", "retention_class": "routine", "score": 0.5,
-        "created_unix": CREATED_UNIX,
-        "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in snapshot.layout],
-        "state": snapshot.meta,
-    }, separators=(",", ":")).encode()
+GOLDEN_IMAGE = ImageMeta(
+    step=7, rank=0, level=Level.PULSE, reason="interval", retention_class=RetentionClass.ROUTINE,
+    score=0.5, created_unix=CREATED_UNIX, layout=golden_snapshot(7).layout,
+    state=golden_snapshot(7).meta)
 
 
 def stage_golden_archives(tier: RemoteTier) -> None:
@@ -147,7 +146,7 @@ def write_missing_fixtures() -> list[Path]:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     created: list[Path] = []
     if not PEER_IMAGE.exists():
-        PEER_IMAGE.write_bytes(peer_image_meta())
+        PEER_IMAGE.write_bytes(GOLDEN_IMAGE.encode())
         created.append(PEER_IMAGE)
     if not ARCHIVE_ROOT.exists():
         stage_golden_archives(RemoteTier(str(ARCHIVE_ROOT)))
@@ -184,17 +183,48 @@ def golden_tier(tmp_path: Path) -> RemoteTier:
 # -- peer image meta --------------------------------------------------------------------------
 
 
-def test_the_peer_image_meta_is_built_byte_for_byte_as_the_golden() -> None:
-    assert peer_image_meta() == PEER_IMAGE.read_bytes()
+def test_the_peer_image_meta_encodes_byte_for_byte_as_the_golden() -> None:
+    assert GOLDEN_IMAGE.encode() == PEER_IMAGE.read_bytes()
 
 
-def test_the_golden_peer_image_meta_holds_what_it_was_made_from() -> None:
-    meta = json.loads(PEER_IMAGE.read_bytes())
-    snapshot = golden_snapshot(7)
-    assert meta["format"] == "ckptpilot-peer-image-1"
-    assert (meta["step"], meta["rank"], meta["level"]) == (7, 0, "pulse")
-    assert [(k, DTYPES[d], tuple(s)) for k, d, s in meta["layout"]] == list(snapshot.layout)
-    assert meta["state"] == snapshot.meta
+def test_the_golden_peer_image_meta_decodes_to_what_it_was_made_from() -> None:
+    meta = ImageMeta.decode(PEER_IMAGE.read_bytes(), step=7, rank=0)
+    assert meta == GOLDEN_IMAGE
+    assert meta.layout == (("model/w", torch.float32, (2, 3)), ("model/count", torch.int16, (2,)))
+
+
+def golden_image_with(**changes: Any) -> bytes:
+    doc = json.loads(PEER_IMAGE.read_bytes())
+    doc.update(changes)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (golden_image_with(format="ckptpilot-peer-image-2"),
+     r"peer:run/7: holds format 'ckptpilot-peer-image-2', not 'ckptpilot-peer-image-1' .*"
+     "upgrade ckptpilot"),
+    (golden_image_with(level="daily"), r"field 'level' is 'daily', not one of heartbeat, pulse"),
+    (golden_image_with(step="7"), r"field 'step' is '7', not a int"),
+    (golden_image_with(score=True), r"field 'score' is True, not a int or float or null"),
+    (golden_image_with(layout=[["model/w", "float33", [2, 3]]]),
+     r"field 'layout' entry 0 is \['model/w', 'float33', \[2, 3\]\]"),
+    (golden_image_with(layout=[["model/w", "float32", [-2]]]), r"field 'layout' entry 0"),
+    (json.dumps({k: v for k, v in json.loads(PEER_IMAGE.read_bytes()).items()
+                 if k != "state"}).encode(), r"meta lacks the field 'state'"),
+    (b"[1, 2]", r"meta is a JSON list, not an object"),
+    (b'{"format": ', r"peer:run/7: meta is not valid JSON"),
+    (golden_image_with(step=6), r"holds 'ckptpilot-peer-image-1' of step 6, rank 0, not step 7"),
+], ids=["format", "level", "step-type", "score-bool", "dtype", "shape", "missing", "list",
+        "json", "another-step"])
+def test_a_bad_peer_image_meta_is_refused_naming_the_field(raw: bytes, message: str) -> None:
+    with pytest.raises(CheckpointFormatError, match=message):
+        ImageMeta.decode(raw, where="peer:run/7", step=7, rank=0)
+
+
+def test_a_tensor_whose_dtype_the_image_cannot_name_is_refused_on_encode() -> None:
+    meta = dataclasses.replace(GOLDEN_IMAGE, layout=(("model/z", torch.quint8, (2,)),))
+    with pytest.raises(CheckpointFormatError, match=r"tensor 'model/z' has dtype torch.quint8"):
+        meta.encode()
 
 
 # -- remote archive -----------------------------------------------------------------------------
@@ -222,6 +252,15 @@ def test_a_golden_archive_reads_back_bit_exact(tmp_path: Path, name: str) -> Non
     for key, tensor in expected.tensors.items():
         got = loaded.tensor(key)
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+
+
+def test_a_golden_manifest_decodes_and_rebuilds_to_the_same_bytes() -> None:
+    raw = (ARCHIVE_ROOT / CONTAINER_ARCHIVE / archive.MANIFEST_FILE).read_bytes()
+    manifest = decode_manifest(raw, "golden")
+    assert encode_manifest(manifest) == raw
+    fields = {k: v for k, v in manifest.items()
+              if k not in ("format", "format_version", "self_sha256")}
+    assert build_manifest(**fields) == manifest
 
 
 def test_a_golden_manifest_with_one_changed_byte_is_refused(tmp_path: Path) -> None:
@@ -270,3 +309,16 @@ def test_the_golden_ledger_reads_back_every_record_kind(tmp_path: Path) -> None:
     assert ledger.mtbf_seconds(now=1700.0) == 390.5 + 200.0
     kinds = [json.loads(line)["kind"] for line in LEDGER.read_text().splitlines()]
     assert kinds == ["run_start", "interruption", "run_start", "rollback", "run_end"]
+
+
+def test_a_ledger_line_whose_kind_is_not_a_string_sets_the_file_aside_keeping_the_rest(
+        tmp_path: Path) -> None:
+    path = tmp_path / "failures.jsonl"
+    good = LEDGER.read_bytes()
+    path.write_bytes(b'{"v": 1, "kind": ["run_start"]}\n' + good)
+    assert FailureLedger(path).last_kind() == "run_end"
+    assert path.read_bytes() == good
+    [aside] = tmp_path.glob("failures.jsonl.damaged-*")
+    assert aside.read_bytes().startswith(b'{"v": 1, "kind": ["run_start"]}')
+    with pytest.raises(CheckpointFormatError, match=r"line 3: unknown record kind \['run'\]"):
+        parse_line(b'{"v": 1, "kind": ["run"]}', 3)

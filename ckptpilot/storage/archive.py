@@ -10,8 +10,8 @@ Layout of ``step_{step:08d}_rank_{rank:05d}/``:
   other checkpoint — a passive store cannot fold deltas, so a pulse here is self-contained;
 - ``state.json`` — everything else (optimizer structure, schedulers, RNG, data cursor, extras);
 - ``manifest.json`` — format name and version, step/rank/level, per-file size and SHA256, and
-  a digest of the manifest itself. Written last: a directory without a valid manifest is an
-  incomplete checkpoint and is never loaded.
+  a digest of the manifest itself (its keys and bytes: ``ckptpilot.format.manifest``). Written
+  last: a directory without a valid manifest is an incomplete checkpoint and is never loaded.
 
 This module owns the layout and its verification; durability and atomic publication belong to
 the tier, the choice of which checkpoint to load to the pilot.
@@ -39,11 +39,15 @@ from ckptpilot.codecs.container import (
     write_container,
 )
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
+from ckptpilot.format.manifest import (
+    MANIFEST_FORMAT,
+    build_manifest,
+    decode_manifest,
+    encode_manifest,
+)
 from ckptpilot.state import Snapshot
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 
-FORMAT = "ckptpilot-organ"
-FORMAT_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"
 CONTAINER_FILE = "tensors.ckpt"
 STATE_FILE = "state.json"
@@ -152,7 +156,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryview | bytes]:
     """Yield a safetensors file piece by piece, straight from the tensors' own memory."""
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    header: dict[str, Any] = {"__metadata__": {"format": MANIFEST_FORMAT}}
     # Widest elements first: every tensor then starts at a multiple of its element size,
     # so a reader can view the bytes in place without unaligned access.
     ordered = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
@@ -183,11 +187,6 @@ def _tensors_digest(index: ContainerIndex) -> str:
         h.update(f"{entry.name}\0{entry.sha256}\n".encode())
     h.update(index.meta_sha256.encode())
     return h.hexdigest()
-
-
-def _manifest_digest(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -253,24 +252,12 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     state_raw = json.dumps(meta, separators=(",", ":")).encode()
     size, sha = tier.write_file(f"{staging}/{STATE_FILE}", [state_raw])
     files[STATE_FILE] = {"bytes": size, "sha256": sha}
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "name": name,
-        "step": snapshot.step,
-        "rank": meta["rank"],
-        "world_size": meta["world_size"],
-        "epoch": meta.get("epoch"),
-        "level": level,
-        "reason": reason,
-        "retention_class": retention_class,
-        "score": score,
-        "created_unix": time.time() if created_unix is None else created_unix,
-        "state_bytes": snapshot.nbytes,
-        "files": files,
-    }
-    manifest["self_sha256"] = _manifest_digest(manifest)
-    tier.write_file(f"{staging}/{MANIFEST_FILE}", [json.dumps(manifest, indent=1).encode()])
+    manifest = build_manifest(
+        name=name, step=snapshot.step, rank=meta["rank"], world_size=meta["world_size"],
+        epoch=meta.get("epoch"), level=level, reason=reason, retention_class=retention_class,
+        score=score, created_unix=time.time() if created_unix is None else created_unix,
+        state_bytes=snapshot.nbytes, files=files)
+    tier.write_file(f"{staging}/{MANIFEST_FILE}", [encode_manifest(manifest)])
     total = sum(f["bytes"] for f in files.values())
     return StagedArchive(name=name, staging=staging, bytes=total, manifest=manifest, index=index)
 
@@ -280,19 +267,7 @@ def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
     where = tier.path(name, MANIFEST_FILE)
     if not tier.exists(f"{name}/{MANIFEST_FILE}"):
         raise CheckpointFormatError(f"{where}: missing (the writer did not finish)")
-    try:
-        manifest = json.loads(tier.read_bytes(f"{name}/{MANIFEST_FILE}"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointFormatError(f"{where}: not a {FORMAT} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointFormatError(
-            f"{where}: format version {manifest.get('format_version')!r} is not supported "
-            f"(this ckptpilot reads version {FORMAT_VERSION})")
-    actual = _manifest_digest(manifest)
-    if manifest.get("self_sha256") != actual:
-        raise IntegrityError(where, str(manifest.get("self_sha256")), actual)
+    manifest = decode_manifest(tier.read_bytes(f"{name}/{MANIFEST_FILE}"), where)
     _check_identity(manifest, name, where)
     return manifest
 

@@ -9,19 +9,10 @@ was interrupted (the pilot does, from its heartbeats, and records it here). It r
 only to stamp a record whose caller gave no ``wall_time``, to time a run it saw start and end
 itself, and to tell a stamp from the future when asked for the MTBF without ``now``.
 
-Record format, one JSON object per line, version 1 (``"v": 1``), ``"kind"`` one of:
-
-* ``run_start``: ``wall_time``, ``step`` — a run (or a resumed run) began at this step;
-* ``run_end``: ``wall_time``, ``step``, optional ``uptime_seconds`` — that run ended cleanly;
-* ``interruption``: ``wall_time`` (when recorded), ``failed_at`` (wall time the interrupted run
-  was last seen alive), ``last_step``, ``recovered_step``, ``steps_lost``, ``source``,
-  ``recovery_seconds``, optional ``uptime_seconds``;
-* ``rollback``: ``wall_time``, ``step`` (where the spike was confirmed), ``onset``, ``to_step``
-  (the checkpoint restored), ``skipped_batches``, ``reason`` — an instability rollback: the
-  run went on, so it is no failure and no lifecycle event; the MTBF and :meth:`last_kind`
-  pass over it. (A ckptpilot older than this record kind sets such a file aside as damaged.)
-
-Readers ignore fields they do not know, so an optional field needs no new version.
+Records are JSON lines of the kinds ``run_start``, ``run_end``, ``interruption`` and
+``rollback`` (their fields and version: ``ckptpilot.format.ledger_line``). A rollback is an
+instability rollback: the run went on, so it is no failure and no lifecycle event; the MTBF
+and :meth:`FailureLedger.last_kind` pass over it.
 
 Durations: wall times only stamp records. ``uptime_seconds`` is how long the run was up,
 measured on the monotonic clock (by this ledger between its own start and end records, or by
@@ -48,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -57,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.format.ledger_line import LEDGER_VERSION, encode_line, parse_line
 from ckptpilot.storage.damaged import set_aside
 
 __all__ = [
@@ -69,43 +60,11 @@ __all__ = [
 
 log = logging.getLogger("ckptpilot")
 
-LEDGER_VERSION = 1
-
 FUTURE_SLACK_SECONDS = 60.0
 """A wall stamp up to this far after the present still counts: a run resumed on another host
 reads a clock that may differ a little from the one that stamped the dead run's records."""
 
 _NUMBER = (int, float)
-_MAX_MAGNITUDE = 2**53  # every field (steps, unix times, seconds) fits; floats stay exact
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "wall_time": _NUMBER,
-    "failed_at": _NUMBER,
-    "recovery_seconds": _NUMBER,
-    "uptime_seconds": _NUMBER,
-    "step": (int,),
-    "last_step": (int,),
-    "recovered_step": (int,),
-    "steps_lost": (int,),
-    "source": (str,),
-    "onset": (int,),
-    "to_step": (int,),
-    "skipped_batches": (int,),
-    "reason": (str,),
-}
-_FIELDS: dict[Any, tuple[str, ...]] = {
-    "run_start": ("wall_time", "step"),
-    "run_end": ("wall_time", "step"),
-    "interruption": (
-        "wall_time",
-        "failed_at",
-        "last_step",
-        "recovered_step",
-        "steps_lost",
-        "source",
-        "recovery_seconds",
-    ),
-    "rollback": ("wall_time", "step", "onset", "to_step", "skipped_batches", "reason"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,12 +272,12 @@ class FailureLedger:
             if not line:
                 continue
             try:
-                records.append(_parse(line, number))
+                records.append(parse_line(line, number))
             except CheckpointFormatError as exc:
                 bad.append(str(exc))
         if torn:
             try:
-                records.append(_parse(torn, len(lines) + 1))
+                records.append(parse_line(torn, len(lines) + 1))
             except CheckpointFormatError as exc:
                 log.warning("%s: skipping the torn last line (%s)", self.path, exc)
         if bad:
@@ -329,7 +288,7 @@ class FailureLedger:
         """Set the file aside and put a fresh one holding ``records`` in its place."""
         temporary = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
         with open(temporary, "wb") as file:
-            file.write(b"".join(_line(record) for record in records))
+            file.write(b"".join(encode_line(record) for record in records))
             file.flush()
             os.fsync(file.fileno())
         more = f", and {len(bad) - 1} more bad line(s)" if len(bad) > 1 else ""
@@ -343,7 +302,7 @@ class FailureLedger:
         _fsync_dir(self.path.parent)
 
     def _append(self, fields: dict[str, Any]) -> None:
-        line = _line({"v": LEDGER_VERSION, **fields})
+        line = encode_line({"v": LEDGER_VERSION, **fields})
         created = not self.path.exists()
         if created:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -376,49 +335,12 @@ class FailureLedger:
             start = chunk_start
         tail = os.pread(fd, size - start, start)
         try:
-            _parse(tail, 0)
+            parse_line(tail, 0)
         except CheckpointFormatError:
             log.warning("%s: cutting off a torn last line of %d bytes", self.path, len(tail))
             os.ftruncate(fd, start)
         else:
             os.write(fd, b"\n")
-
-
-def _parse(line: bytes, number: int) -> dict[str, Any]:
-    """One valid record; :class:`CheckpointFormatError` naming the line and its fault."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError) as exc:  # JSON, UTF-8, an int past the digit limit
-        raise CheckpointFormatError(f"line {number}: not a JSON record ({exc})") from exc
-    if not isinstance(record, dict) or record.get("v") != LEDGER_VERSION:
-        raise CheckpointFormatError(
-            f"line {number}: not a version-{LEDGER_VERSION} ledger record: {line[:80]!r}"
-        )
-    required = _FIELDS.get(record.get("kind"))
-    if required is None:
-        raise CheckpointFormatError(f"line {number}: unknown record kind {record.get('kind')!r}")
-    missing = [name for name in required if name not in record]
-    if missing:
-        raise CheckpointFormatError(
-            f"line {number}: {record['kind']} record lacks {', '.join(missing)}"
-        )
-    for name, types in _FIELD_TYPES.items():
-        value = record.get(name)
-        if name in record and (isinstance(value, bool) or not isinstance(value, types)):
-            raise CheckpointFormatError(
-                f"line {number}: {record['kind']} record has {name}={value!r:.80}, not a "
-                f"{' or '.join(t.__name__ for t in types)}"
-            )
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
-                abs(value) <= _MAX_MAGNITUDE):
-            raise CheckpointFormatError(
-                f"line {number}: {record['kind']} record has {name} beyond ±2**53: "
-                f"{str(value)[:40]}")
-    return record
-
-
-def _line(record: dict[str, Any]) -> bytes:
-    return (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
 
 
 def _duration(value: Any) -> float | None:

@@ -1,0 +1,96 @@
+"""The remote archive's manifest: the JSON file that makes an archive directory a checkpoint.
+
+An archive (``storage/archive.py``) is complete only once its manifest is there; the manifest
+names the format and its version, the checkpoint (name, step, rank), why and how it was kept
+(level, reason, retention class, score), and the size and SHA256 of every other file, and it
+carries ``self_sha256``, the SHA256 of its own other keys (``json.dumps(..., sort_keys=True)``),
+so a manifest edited or damaged after writing is refused. The key order and the one-space
+indent are part of the format: the metadata store records ``self_sha256``, and a golden file
+pins the bytes.
+
+Owns the format name and version, the manifest's keys, its bytes and their check. Must not
+touch files or decide what an archive's name means: the archive module reads and writes, and
+checks that a manifest belongs under its directory's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ckptpilot.errors import CheckpointFormatError, IntegrityError
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "build_manifest",
+    "decode_manifest",
+    "encode_manifest",
+    "manifest_digest",
+]
+
+MANIFEST_FORMAT = "ckptpilot-organ"
+MANIFEST_VERSION = 1
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """SHA256 of every key but ``self_sha256``, independent of key order."""
+    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def build_manifest(*, name: str, step: int, rank: int, world_size: int, epoch: int | None,
+                   level: str, reason: str, retention_class: str, score: float | None,
+                   created_unix: float, state_bytes: int,
+                   files: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """A complete manifest, ``self_sha256`` included, keys in the format's order.
+
+    ``files`` maps each file of the archive to ``{"bytes", "sha256"}`` (a container also has
+    ``tensors_digest``).
+    """
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "name": name,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "epoch": epoch,
+        "level": level,
+        "reason": reason,
+        "retention_class": retention_class,
+        "score": score,
+        "created_unix": created_unix,
+        "state_bytes": state_bytes,
+        "files": {fname: dict(rec) for fname, rec in files.items()},
+    }
+    manifest["self_sha256"] = manifest_digest(manifest)
+    return manifest
+
+
+def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1).encode()
+
+
+def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    """The manifest in ``raw``, checked for format, version and its own digest.
+
+    ``where`` (the manifest's path) starts every error message. A digest mismatch raises
+    :class:`~ckptpilot.errors.IntegrityError`, any other fault ``CheckpointFormatError``.
+    """
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointFormatError(f"{where}: not a {MANIFEST_FORMAT} manifest")
+    if manifest.get("format_version") != MANIFEST_VERSION:
+        raise CheckpointFormatError(
+            f"{where}: format version {manifest.get('format_version')!r} is not supported "
+            f"(this ckptpilot reads version {MANIFEST_VERSION})")
+    actual = manifest_digest(manifest)
+    if manifest.get("self_sha256") != actual:
+        raise IntegrityError(where, str(manifest.get("self_sha256")), actual)
+    return manifest
