@@ -10,15 +10,14 @@ planner and the post-write validator do the work.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ckptpilot.catalog import write_pin
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError
-from ckptpilot.pilot import RECOVER_PIN
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
 from ckptpilot.rundir import aside_path, every_lease, read_run_id, run_identity
@@ -192,7 +191,7 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
                 store.mark(row.key, target, note=f"abandoned by `ckptpilot recover --step {step}`")
                 abandoned.append(row.location)
         if force:
-            (run.dir / RECOVER_PIN).write_text(json.dumps({"step": step, "force": True}))
+            write_pin(run.dir, step, force=True)
         store.audit("recover-force" if force else "recover",
                     {"step": step, "ranks": [rk for rk, _ in targets], "abandoned": abandoned})
     print(f"recovery point set to step {step}" + (" (forced)" if force else ""), file=out)

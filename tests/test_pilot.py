@@ -318,10 +318,10 @@ def test_peak_host_memory_stays_within_the_in_flight_bound(tmp_path: Path, level
 def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import ckptpilot.pilot as pilot_module
+    import ckptpilot.writer as writer_module
     from ckptpilot.storage.metadata import MetadataStore
 
-    original = pilot_module.stage_organ
+    original = writer_module.stage_organ
 
     def stage_then_rot(tier, snapshot, **kw):  # type: ignore[no-untyped-def]
         staged = original(tier, snapshot, **kw)
@@ -332,7 +332,7 @@ def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
             path.write_bytes(bytes(data))
         return staged
 
-    monkeypatch.setattr(pilot_module, "stage_organ", stage_then_rot)
+    monkeypatch.setattr(writer_module, "stage_organ", stage_then_rot)
     job = Job(tmp_path, interval=2)
     for _ in range(5):
         job.step()

@@ -274,7 +274,7 @@ def test_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Path) 
     # An exception on one rank (its model does not fit) stops every rank: none resumes
     # alone, none waits forever in a collective.
     errors = ranks(trained_dir, "restore-misfit")
-    assert [e["error"] for e in errors] == ["_AnotherRankFailed", "StateError"], errors
+    assert [e["error"] for e in errors] == ["AnotherRankFailed", "StateError"], errors
     assert "another rank failed while restoring" in errors[0]["message"]
 
 

@@ -6,6 +6,7 @@
 
 from ckptpilot.tiers.peer.client import PeerFetchResult, PeerPutResult, PeerTier
 from ckptpilot.tiers.peer.errors import (
+    PEER_ERRORS,
     NotEnoughPeers,
     PeerRequestError,
     PeerUnavailable,
@@ -13,6 +14,7 @@ from ckptpilot.tiers.peer.errors import (
 )
 
 __all__ = [
+    "PEER_ERRORS",
     "NotEnoughPeers",
     "PeerFetchResult",
     "PeerPutResult",

@@ -39,3 +39,9 @@ class PeerUnavailable(CkptPilotError, RuntimeError):
 
 class NotEnoughPeers(PeerUnavailable):
     """Fewer usable peers than shards to place."""
+
+
+PEER_ERRORS: tuple[type[BaseException], ...] = (CkptPilotError, OSError, ValueError, KeyError,
+                                                TypeError)
+"""What a misbehaving peer tier can raise: never a reason to fail a save or a restore that
+another tier can serve (a daemon of another version, a garbled reply, a dead socket)."""

@@ -1,0 +1,392 @@
+"""Finding and loading the checkpoint to resume from (SPEC §7).
+
+This module owns :class:`Restorer`: it lists what this rank could restore (published remote
+archives with their rows, the memory tier's newest snapshot, the peers' checkpoint), orders
+it by the recovery planner (``validation.recovery``: newest valid first, walk back on
+damage, then the newest organ), tries each step's sources fastest first, re-verifying every
+read, and hands the first that verifies to the caller's ``apply``. In a distributed run every
+rank restores the same step (:class:`~ckptpilot.agreement.RankAgreement`). It also repairs
+what a killed writer left (staging debris, rows still ``pending``) and condemns copies that
+fail verification.
+
+It must not change the live run beyond ``apply``: what a restore means for the step counters,
+the scheduler, the ledger and the data cursor is the pilot's. Threading: the training thread,
+with the writer idle (the pilot flushes it first).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from ckptpilot.agreement import RankAgreement
+from ckptpilot.catalog import Catalog
+from ckptpilot.codecs.blob import DTYPES
+from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
+from ckptpilot.state import arena_views
+from ckptpilot.storage.archive import (
+    ArchiveListing,
+    checkpoint_name,
+    list_archives,
+    read_manifest,
+    read_organ,
+)
+from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
+from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
+from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
+from ckptpilot.vocab import Level, RecoverySource, Status, Tier
+
+__all__ = ["MAX_RECOVERY_WALK", "PEER_FORMAT", "Restored", "Restorer", "SkippedCheckpoint"]
+
+log = logging.getLogger("ckptpilot")
+
+PEER_FORMAT = "ckptpilot-peer-image-1"
+MAX_RECOVERY_WALK = 5
+_ALWAYS_REPORTED = 1 << 62  # a "missing" entry newer than any step: reported on every outcome
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    location: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Read:
+    """One checkpoint read and verified, not yet applied to the live objects."""
+
+    source: RecoverySource
+    level: Level
+    location: str
+    bytes_read: int
+    meta: Mapping[str, Any]
+    get_tensor: Callable[[str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The step a restore loaded (``read`` None: the run has no checkpoint, step 0)."""
+
+    step: int
+    read: Read | None
+    skipped: tuple[SkippedCheckpoint, ...]
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One source of one step. ``read`` raises one of ``unreadable`` when this copy cannot
+    be read (the walk goes on to the next); ``on_fail`` records why."""
+
+    where: str
+    read: Callable[[], Read]
+    unreadable: tuple[type[BaseException], ...]
+    on_fail: Callable[[BaseException], None]
+
+
+@dataclass
+class _Plan:
+    """What this rank could restore: the sources of each step (newest first in ``steps``),
+    and what was excluded or is missing, with reasons."""
+
+    step: int | None
+    forced: bool
+    pinned: bool
+    options: dict[int, list[_Option]]
+    steps: list[int]
+    missing: list[tuple[int, SkippedCheckpoint]]
+    skipped: list[SkippedCheckpoint]
+
+
+class Restorer:
+    """Walks the recovery plan over this rank's tiers; see the module docstring."""
+
+    def __init__(self, catalog: Catalog, remote: RemoteTier, peers: PeerTier | None,
+                 memory: MemoryTier | None, agreement: RankAgreement | None) -> None:
+        self._catalog = catalog
+        self._rank = catalog.rank
+        self._remote = remote
+        self._peers = peers
+        self._memory = memory
+        self._agreement = agreement
+
+    def restore(self, step: int | None, apply: Callable[[Read], None], *,
+                before: int | None = None,
+                prepare: Callable[[], None] | None = None) -> Restored | None:
+        """Load the newest checkpoint that verifies (or exactly ``step``, or a pinned one)
+        into the live objects through ``apply``.
+
+        With ``before`` (a rollback): the newest step below it, no pin, and None, with
+        nothing changed, when no such step loads. Without: raises ``NoCheckpointError`` when
+        checkpoints exist (or are recorded) but none loads, rather than silently restarting
+        the run from scratch; a run with nothing at all restores step 0. ``prepare`` runs
+        first (the pilot flushes its writer): in a distributed run its failure, like any on
+        this rank, makes every rank raise.
+        """
+        agreement = self._agreement
+        failure: BaseException | None = None
+        plan: _Plan | None = None
+        try:
+            if prepare is not None:
+                prepare()
+            plan = self._plan(step, before)
+        except BaseException as e:
+            if agreement is None:
+                raise
+            failure = e
+        steps = plan.steps if plan is not None else []
+        if agreement is not None:
+            common = agreement.common_steps(steps, failure)
+            assert plan is not None
+            plan.missing += [(s, SkippedCheckpoint(plan.options[s][0].where,
+                                                   f"step {s} is not held by every rank"))
+                             for s in steps if s not in common]
+            steps = common
+        assert plan is not None
+        skipped = plan.skipped
+        for target in steps:
+            read = None
+            try:
+                read = self._read_first(plan.options[target], skipped)
+                if read is not None:
+                    apply(read)
+            except BaseException as e:
+                if agreement is None:
+                    raise
+                failure = e
+            if agreement is not None:
+                vote = agreement.vote(-1 if failure is not None else int(read is not None))
+                agreement.raise_if_failed(vote, failure, f"step {target}")
+                if vote == 0:
+                    if read is not None:
+                        skipped.append(SkippedCheckpoint(
+                            read.location, f"another rank cannot load step {target}"))
+                    continue
+            if read is None:
+                continue
+            skipped += [m for s, m in plan.missing if s > target]
+            if plan.pinned:
+                self._catalog.consume_pin(target, plan.forced)
+            return Restored(target, read, tuple(skipped))
+        skipped += [m for _, m in plan.missing]
+        if before is not None:
+            for item in skipped:
+                log.warning("cannot roll back to %s: %s", item.location, item.reason)
+            return None
+        refuse = bool(skipped) or plan.step is not None
+        if agreement is not None:
+            refuse = agreement.vote(int(not refuse)) == 0
+        if refuse:
+            raise NoCheckpointError(self._nothing_loads(plan.step, skipped))
+        return Restored(0, None, tuple(skipped))
+
+    def _plan(self, step: int | None, before: int | None) -> _Plan:
+        """This rank's candidates (all below ``before`` if given), per step and fastest
+        source first (rank-local: no collective)."""
+        forced = pinned = False
+        pin = self._catalog.read_pin() if step is None and before is None else None
+        if pin is not None:
+            step, forced, pinned = pin.step, pin.force, True
+            log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
+                        " --force" if forced else "")
+        candidates, missing, digests = self._remote_candidates()
+        if before is not None:
+            candidates = [c for c in candidates if c.step < before]
+            missing = [(s, m) for s, m in missing if s < before]
+        if forced:
+            candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
+        plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
+        options = self._options(plan, step, forced, digests, before)
+        return _Plan(
+            step=step, forced=forced, pinned=pinned, options=options,
+            steps=sorted(options, reverse=True), missing=missing,
+            skipped=[SkippedCheckpoint(self._remote.path(c.name), why)
+                     for c, why in plan.excluded])
+
+    def _nothing_loads(self, step: int | None, skipped: list[SkippedCheckpoint]) -> str:
+        what = f"step {step}" if step is not None else "any step"
+        url = self._remote.url
+        if not skipped:
+            return (f"no usable checkpoint of {what} for rank {self._rank} in {url}"
+                    + (" on every rank" if self._agreement is not None else ""))
+        first = skipped[0]
+        return (f"rank {self._rank} cannot load {what}: none of the {len(skipped)} "
+                f"checkpoints recorded or found in {url} loads; newest: {first.location}: "
+                f"{first.reason}")
+
+    def _options(self, plan: RecoveryPlan, step: int | None, forced: bool,
+                 digests: Mapping[int, str], before: int | None) -> dict[int, list[_Option]]:
+        """For each step this rank could restore, its sources, fastest first."""
+        options: dict[int, list[_Option]] = {}
+        below = math.inf if before is None else before
+        held = self._memory.newest() if self._memory is not None and not forced else None
+        if held is not None and held.step < below and (step is None or held.step == step):
+            options.setdefault(held.step, []).append(_Option(
+                f"memory:step {held.step}", partial(_read_memory, held), (),
+                lambda error: None))
+        newest_remote = plan.attempts[0].step if plan.attempts else -1
+        peer_steps = self._peer_targets(step, newest_remote) if not forced else []
+        for target in (t for t in peer_steps if t < below):
+            assert self._peers is not None
+            options.setdefault(target, []).append(_Option(
+                f"peer:{self._peers.run_id}/{target}", partial(self._read_peer, target),
+                (*PEER_ERRORS, RuntimeError),
+                partial(self._catalog.condemn, target, Tier.PEER)))
+        for cand in plan.attempts:
+            expected = digests.get(cand.step) if cand.status is not None else None
+            options.setdefault(cand.step, []).append(_Option(
+                self._remote.path(cand.name), partial(self._read_remote, cand.name, expected),
+                (CheckpointFormatError, OSError),
+                partial(self._condemn_remote, cand.step)))
+        return options
+
+    def _read_first(self, options: list[_Option], skipped: list[SkippedCheckpoint]
+                    ) -> Read | None:
+        """The first source of one step that reads and verifies; each one that cannot is
+        skipped with its reason."""
+        for option in options:
+            try:
+                return option.read()
+            except option.unreadable as e:
+                log.warning("skipping checkpoint %s: %s", option.where, e)
+                skipped.append(SkippedCheckpoint(option.where, str(e)))
+                option.on_fail(e)
+        return None
+
+    def _peer_targets(self, step: int | None, newest_remote: int) -> list[int]:
+        """Peer checkpoints to try, newest first: ``step`` if it is a valid peer row, else
+        the valid peer rows (or, with no metadata, what the peers hold) at least as new as
+        the newest remote candidate. The peers keep one state per run, so this is normally
+        one checkpoint."""
+        if self._peers is None:
+            return []
+        rows = self._catalog.rows(Tier.PEER)
+        if rows:
+            steps = {r.step for r in rows if r.status is Status.VALID}
+        else:
+            try:
+                steps = set(self._peers.list())
+            except PEER_ERRORS as e:
+                log.warning("cannot list the peer tier: %s", e)
+                return []
+        if step is not None:
+            return [step] if step in steps else []
+        newer = sorted((s for s in steps if s >= newest_remote), reverse=True)
+        return newer[:MAX_RECOVERY_WALK]
+
+    def _read_remote(self, name: str, manifest_sha256: str | None) -> Read:
+        loaded = read_organ(self._remote, name, manifest_sha256=manifest_sha256)
+        read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
+        return Read(RecoverySource.REMOTE, Level(loaded.manifest["level"]), loaded.location,
+                    read, loaded.meta, loaded.tensor)
+
+    def _read_peer(self, step: int) -> Read:
+        assert self._peers is not None
+        fetched = self._peers.fetch(step)
+        where = f"peer:{self._peers.run_id}/{step}"
+        try:
+            meta = json.loads(fetched.meta)
+            if meta.get("format") != PEER_FORMAT or (meta.get("step"), meta.get("rank")) != (
+                    step, self._rank):
+                raise CheckpointFormatError(
+                    f"{where}: holds {meta.get('format')!r} of step {meta.get('step')!r}, "
+                    f"rank {meta.get('rank')!r}")
+            layout = [(name, DTYPES[dtype], shape) for name, dtype, shape in meta["layout"]]
+            level = Level(meta["level"])
+            state = meta["state"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointFormatError(f"{where}: bad meta: {e}") from e
+        arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
+                 else torch.empty(0, dtype=torch.uint8))
+        tensors = arena_views(arena, layout)
+
+        def get_tensor(key: str) -> torch.Tensor:
+            try:
+                return tensors[key]
+            except KeyError:
+                raise CheckpointFormatError(
+                    f"{where}: state refers to tensor {key!r}, absent from the image") from None
+
+        if fetched.rebuilt_shard is not None:
+            where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
+        return Read(RecoverySource.PEER, level, where, fetched.bytes_fetched, state, get_tensor)
+
+    def _condemn_remote(self, step: int, error: BaseException) -> None:
+        """Only wrong bytes mark a remote copy corrupted; an I/O error may pass (a flaky
+        mount) and must not condemn a good checkpoint to the next prune."""
+        if isinstance(error, CheckpointFormatError):
+            self._catalog.condemn(step, Tier.REMOTE, error)
+
+    def _remote_candidates(self) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
+                                          dict[int, str]]:
+        """Published archives of this rank with their metadata status, and the ``valid`` rows
+        whose archive is missing (deleted, a wrong mount or ``tiers.remote.url``): those count
+        as checkpoints that exist, so losing them is never a silent restart from scratch.
+        Repairs the traces a killed writer left (staging directories, rows still
+        ``pending``). Also returns the manifest digest each step's row recorded."""
+        remote = self._remote
+        try:
+            listing = list_archives(remote, self._rank)
+        except OSError as e:
+            log.warning("cannot list the remote tier %s: %s", remote.url, e)
+            listing, unlisted = ArchiveListing(published=[], staging=[]), str(e)
+        else:
+            unlisted = None
+        for debris in listing.staging:
+            log.warning("removing %s: a save that never finished (writer killed)",
+                        remote.path(debris))
+            try:
+                remote.remove(debris)
+            except OSError as e:
+                log.warning("cannot remove %s: %s", remote.path(debris), e)
+        published = dict((name, s) for s, name in listing.published)
+        rows = self._catalog.newest_rows_by_step(Tier.REMOTE)
+        store = self._catalog.store
+        for row in rows.values():
+            if row.status is not Status.PENDING:
+                continue
+            name = checkpoint_name(row.step, self._rank)
+            if name in published:  # validated, published, killed before the row was marked
+                rows[row.step] = store.mark(row.key, Status.VALID, location=remote.path(name))
+            else:
+                rows[row.step] = store.mark(
+                    row.key, Status.CORRUPTED,
+                    note="the writer died before the checkpoint was published")
+        candidates = []
+        for name, step in published.items():
+            row = rows.get(step)
+            if row is not None:
+                candidates.append(Candidate(step, row.level, Tier.REMOTE, name, row.status))
+                continue
+            try:  # no metadata (database lost or rebuilt): the manifest says what it is
+                level = read_manifest(remote, name)["level"]
+            except (CheckpointFormatError, OSError):
+                level = "unknown"
+            candidates.append(Candidate(step, level, Tier.REMOTE, name, None))
+        missing = [
+            (row.step, SkippedCheckpoint(row.location, (
+                f"recorded valid but cannot list {remote.url}: {unlisted}" if unlisted
+                else f"recorded valid but its data is missing from {remote.url} "
+                "(deleted, or a wrong mount / tiers.remote.url?)")))
+            for row in sorted(rows.values(), key=lambda r: -r.step)
+            if row.status is Status.VALID and checkpoint_name(row.step, self._rank)
+            not in published]
+        if unlisted is not None and not missing:  # nothing recorded, nothing listable
+            missing.append((_ALWAYS_REPORTED, SkippedCheckpoint(
+                remote.url, f"cannot list the remote tier: {unlisted}")))
+        return candidates, missing, {step: row.sha256 for step, row in rows.items()}
+
+
+def _read_memory(held: MemoryEntry) -> Read:
+    # Clones: an optimizer's load_state_dict may keep the very tensors it is given, and
+    # these buffers go back to the snapshot pool for the next capture.
+    snap = held.snapshot
+    return Read(RecoverySource.MEMORY, Level(held.level), f"memory:step {held.step}",
+                snap.nbytes, snap.meta, lambda key: snap.tensors[key].clone())

@@ -1,0 +1,50 @@
+"""The plan of one save: which tiers take it, in which order, with which fallback.
+
+This module owns :class:`SavePlan` and :func:`plan_save`, built purely from what the save is
+for (a :class:`~ckptpilot.catalog.SaveIntent`) and the policy, in the spirit of DCP's
+plan/execute split: the writer executes a plan and decides nothing about placement itself, so
+the placement rules are readable, and testable, in one place.
+
+Rules: with the peer tier on, a pulse goes to the peers only (a pulse the peers cannot take
+goes to the remote tier instead: nothing is dropped) and an organ to the peers and the remote
+tier; without it, everything goes to the remote tier. A pulse on the remote tier goes through
+the codecs (when they pay at the tier's bandwidth), an organ is written plain. A save that
+verifies stays in the memory tier, when it is on, as the next restore's fastest source and the
+base of the next peer deltas.
+
+It must not do I/O. Threading: any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptpilot.catalog import SaveIntent
+from ckptpilot.policy import Policy
+from ckptpilot.vocab import Level, Tier
+
+__all__ = ["SavePlan", "plan_save"]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """``tiers`` in write order; ``fallback`` takes the save when none of them could;
+    ``codecs``: encode through the codec selector on the remote tier."""
+
+    intent: SaveIntent
+    tiers: tuple[Tier, ...]
+    fallback: Tier | None
+    codecs: bool
+    keep_in_memory: bool
+
+
+def plan_save(intent: SaveIntent, policy: Policy) -> SavePlan:
+    """The plan for ``intent`` under ``policy`` (see the module docstring for the rules)."""
+    pulse = intent.level == Level.PULSE.value
+    tiers: tuple[Tier, ...] = (Tier.REMOTE,)
+    fallback = None
+    if policy.tiers.peer.enabled:
+        tiers = (Tier.PEER,) if pulse else (Tier.PEER, Tier.REMOTE)
+        fallback = Tier.REMOTE if pulse else None
+    return SavePlan(intent=intent, tiers=tiers, fallback=fallback, codecs=pulse,
+                    keep_in_memory=policy.tiers.memory.enabled)
