@@ -1,7 +1,9 @@
 """Every byte layout ckptpilot persists outside the codecs, one module per format.
 
-- ``image.py``: the peer image meta (``IMAGE_FORMAT``), the JSON beside an arena on the peers;
+- ``image.py``: the peer image meta (``IMAGE_FORMAT``, its version the trailing number), the
+  JSON beside an arena on the peers;
 - ``manifest.py``: the remote archive's manifest (``MANIFEST_FORMAT``, ``MANIFEST_VERSION``);
+- ``heartbeat_ring.py``: the heartbeat ring file's header and slots (``RING_VERSION``);
 - ``ledger_line.py``: one failure-ledger record per line (``LEDGER_VERSION``).
 
 The codec blobs and their container are ``ckptpilot.codecs``'s. Each format has one version

@@ -1,7 +1,9 @@
 """Level-0 heartbeats: a preallocated, memory-mapped ring file of tiny JSON records (SPEC §2).
 
-This module owns the heartbeat file format and its writer and readers; it knows nothing about
-what a record means (the pilot fills it, the failure ledger reads it) and never pickles.
+This module owns the heartbeat ring's writer and readers: the file, its mapping, its
+durability and what to do with a damaged one. The bytes (header, slots, the torn-safe write
+order, format versions 1 and 2) are ``ckptpilot.format.heartbeat_ring``'s. It knows nothing
+about what a record means (the pilot fills it, the failure ledger reads it) and never pickles.
 
 Threads: :meth:`HeartbeatWriter.write` runs on the training thread every heartbeat step and
 only copies bytes into the shared mapping (a few µs); a background thread of the writer makes
@@ -11,22 +13,8 @@ the process even before the flush; the flush is what makes it survive a power lo
 :func:`read_latest` and :func:`read_all` may run in any process, while a writer is live or
 after it died.
 
-File layout (little-endian, version 2)::
-
-    offset 0     file header: magic b"CKPHBEAT", u16 version, u16 header_bytes (4096),
-                 u32 slot count, u32 slot bytes, u32 CRC32 of the preceding 20 bytes
-    offset 4096  slot 0, slot 1, ... each ``slot_bytes`` long; record ``seq`` lives in
-                 slot (seq - 1) % slot count
-    slot         b"HBS2", u32 payload length, u32 CRC32, u32 zero, u64 seq, f64 wall time,
-                 f64 uptime (NaN: unknown), then the UTF-8 JSON payload
-
-The CRC covers seq, wall time, uptime, length and payload. A record is written payload first,
-then length and CRC, then the times, and ``seq`` last: a slot caught in the middle of an
-overwrite carries fields of two records and fails its CRC, so a reader drops it instead of
-returning a torn record. Slots start on a 4 KiB boundary, so a slot whose size divides 4 KiB
-never straddles a page. Version 1 (slot magic b"HBS1", no uptime; the CRC covers seq, wall
-time, length and payload) is still read, and a writer reopening such a file rewrites it as
-version 2, keeping its records.
+Versions: only the current format version is written; a writer reopening a version-1 ring
+rewrites it as the current version, keeping its records.
 
 Time: the wall time only stamps a record. How long the run had been up is the uptime, taken
 on the monotonic clock from the writer's opening, so a wall clock stepped back or forward
@@ -43,25 +31,32 @@ damage: it is what a kill mid-write leaves, and readers skip it.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import mmap
 import os
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.format.heartbeat_ring import (
+    HEADER_BYTES,
+    RING_VERSION,
+    SLOT_HEADER_BYTES,
+    HeartbeatRecord,
+    check_geometry,
+    encode_payload,
+    put_slot,
+    ring_header,
+    scan_ring,
+)
 from ckptpilot.storage.damaged import set_aside
 
 __all__ = [
-    "FORMAT_VERSION",
+    "HEADER_BYTES",
     "SLOT_HEADER_BYTES",
     "HeartbeatRecord",
     "HeartbeatWriter",
@@ -71,64 +66,8 @@ __all__ = [
 
 log = logging.getLogger("ckptpilot")
 
-MAGIC = b"CKPHBEAT"
-FORMAT_VERSION = 2
-HEADER_BYTES = 4096
-
-_FILE_HEADER = struct.Struct("<8sHHII")  # magic, version, header_bytes, slots, slot_bytes
-_FILE_HEADER_CRC = struct.Struct("<I")
-_SLOT_PREFIX = struct.Struct("<4sIII")  # magic, length, crc, reserved
-_SLOT_SEQ = struct.Struct("<Q")
-_SEQ_OFFSET = _SLOT_PREFIX.size
-_TIMES_OFFSET = _SEQ_OFFSET + _SLOT_SEQ.size
-
-
-@dataclass(frozen=True)
-class _SlotLayout:
-    """What differs between format versions: the slot magic and the times after ``seq``."""
-
-    magic: bytes
-    times: struct.Struct  # wall time, then (version 2) uptime
-    crc_prefix: struct.Struct  # seq, the times, length: the CRC covers these, then the payload
-
-    @property
-    def header_bytes(self) -> int:
-        return _TIMES_OFFSET + self.times.size
-
-
-_LAYOUTS = {
-    1: _SlotLayout(b"HBS1", struct.Struct("<d"), struct.Struct("<QdI")),
-    2: _SlotLayout(b"HBS2", struct.Struct("<dd"), struct.Struct("<QddI")),
-}
-_WRITE_LAYOUT = _LAYOUTS[FORMAT_VERSION]
-SLOT_HEADER_BYTES = _WRITE_LAYOUT.header_bytes
-
-_MIN_SLOT_BYTES = 64
-_MAX_SLOT_BYTES = 1 << 20
-_MAX_SLOTS = 1 << 20
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
-
 _LOST_ON_READ = "how far the previous run got is unknown (steps lost and its uptime)"
 _LOST_ON_OPEN = "nothing in it is carried over"
-
-
-@dataclass(frozen=True)
-class HeartbeatRecord:
-    """One heartbeat read back: its sequence number, the writer's wall time, the payload, and
-    how long the writer had been open (seconds on the monotonic clock; None when unknown: a
-    record written in format version 1)."""
-
-    seq: int
-    wall_time: float
-    data: dict[str, Any]
-    uptime_seconds: float | None = None
-
-    @property
-    def step(self) -> int | None:
-        """The ``step`` the caller put in the record, if any."""
-        step = self.data.get("step")
-        return step if isinstance(step, int) else None
 
 
 class HeartbeatWriter:
@@ -156,7 +95,7 @@ class HeartbeatWriter:
         record_bytes: int = 4096,
         flush_seconds: float = 0.2,
     ) -> None:
-        _check_geometry(slots, record_bytes)
+        check_geometry(slots, record_bytes)
         if not (flush_seconds > 0 and math.isfinite(flush_seconds)):
             raise ValueError(f"flush_seconds must be a positive number, got {flush_seconds!r}")
         self.path = Path(path)
@@ -215,7 +154,7 @@ class HeartbeatWriter:
                 f"heartbeat times must be finite and the uptime >= 0, got wall_time={wall!r}, "
                 f"uptime_seconds={uptime!r}"
             )
-        payload = _encode(record)
+        payload = encode_payload(record)
         if len(payload) > self.max_payload_bytes:
             raise ValueError(
                 f"heartbeat record is {len(payload)} bytes of JSON, over the "
@@ -225,7 +164,7 @@ class HeartbeatWriter:
             )
         seq = self._seq + 1
         offset = HEADER_BYTES + ((seq - 1) % self.slots) * self.record_bytes
-        _put_slot(self._map, offset, seq, wall, uptime, payload)
+        put_slot(self._map, offset, seq, wall, uptime, payload)
         self._seq = seq
         return seq
 
@@ -308,116 +247,7 @@ def read_all(path: str | os.PathLike[str]) -> list[HeartbeatRecord]:
         raise CheckpointFormatError(
             f"{os.fspath(path)}: a directory, not a ckptpilot heartbeat file"
         ) from exc
-    return _scan(data, os.fspath(path))[1]
-
-
-@dataclass(frozen=True)
-class _Header:
-    version: int
-    slots: int
-    record_bytes: int
-
-
-def _scan(data: bytes, where: str) -> tuple[_Header, list[HeartbeatRecord]]:
-    header = _parse_header(data, where)
-    layout = _LAYOUTS[header.version]
-    records = []
-    for index in range(header.slots):
-        record = _get_slot(data, HEADER_BYTES + index * header.record_bytes, header, layout)
-        if record is not None:
-            records.append(record)
-    records.sort(key=lambda record: record.seq)
-    return header, records
-
-
-def _check_geometry(slots: int, record_bytes: int) -> None:
-    if not isinstance(slots, int) or not 1 <= slots <= _MAX_SLOTS:
-        raise ValueError(f"slots must be an integer in [1, {_MAX_SLOTS}], got {slots!r}")
-    if (
-        not isinstance(record_bytes, int)
-        or not _MIN_SLOT_BYTES <= record_bytes <= _MAX_SLOT_BYTES
-        or record_bytes % 8
-    ):
-        raise ValueError(
-            f"record_bytes must be a multiple of 8 in [{_MIN_SLOT_BYTES}, {_MAX_SLOT_BYTES}] "
-            f"(it includes the {SLOT_HEADER_BYTES}-byte slot header), got {record_bytes!r}"
-        )
-
-
-def _put_slot(
-    buffer: Any, offset: int, seq: int, wall_time: float, uptime: float, payload: bytes
-) -> None:
-    """Write one record into ``buffer`` (the mapping, or a bytearray) in the torn-safe order."""
-    layout = _WRITE_LAYOUT
-    length = len(payload)
-    start = offset + layout.header_bytes
-    buffer[start : start + length] = payload
-    crc = zlib.crc32(payload, zlib.crc32(layout.crc_prefix.pack(seq, wall_time, uptime, length)))
-    _SLOT_PREFIX.pack_into(buffer, offset, layout.magic, length, crc, 0)
-    layout.times.pack_into(buffer, offset + _TIMES_OFFSET, wall_time, uptime)
-    _SLOT_SEQ.pack_into(buffer, offset + _SEQ_OFFSET, seq)
-
-
-def _get_slot(
-    data: bytes, offset: int, header: _Header, layout: _SlotLayout
-) -> HeartbeatRecord | None:
-    """The record in the slot at ``offset``, or None when it is empty, torn or corrupt."""
-    magic, length, crc, _ = _SLOT_PREFIX.unpack_from(data, offset)
-    if magic != layout.magic or length > header.record_bytes - layout.header_bytes:
-        return None
-    (seq,) = _SLOT_SEQ.unpack_from(data, offset + _SEQ_OFFSET)
-    times = layout.times.unpack_from(data, offset + _TIMES_OFFSET)
-    start = offset + layout.header_bytes
-    payload = data[start : start + length]
-    expected = zlib.crc32(payload, zlib.crc32(layout.crc_prefix.pack(seq, *times, length)))
-    if seq == 0 or expected != crc or not math.isfinite(times[0]):
-        return None
-    try:
-        value = json.loads(payload)
-    except ValueError:  # a CRC collision on garbage; UnicodeDecodeError is a ValueError too
-        return None
-    if not isinstance(value, dict):
-        return None
-    uptime = times[1] if len(times) > 1 and math.isfinite(times[1]) and times[1] >= 0 else None
-    return HeartbeatRecord(seq=seq, wall_time=times[0], data=value, uptime_seconds=uptime)
-
-
-def _header_bytes(slots: int, record_bytes: int) -> bytes:
-    fields = _FILE_HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, slots, record_bytes)
-    return fields + _FILE_HEADER_CRC.pack(zlib.crc32(fields))
-
-
-def _parse_header(data: bytes, where: str) -> _Header:
-    """The header of an intact ring; :class:`CheckpointFormatError` saying what is wrong."""
-    size = _FILE_HEADER.size + _FILE_HEADER_CRC.size
-    if len(data) < size:
-        raise CheckpointFormatError(
-            f"{where}: {len(data)} bytes, too short for a ckptpilot heartbeat file header"
-        )
-    if data[: len(MAGIC)] != MAGIC:
-        raise CheckpointFormatError(f"{where}: not a ckptpilot heartbeat file (bad magic)")
-    _, version, header_bytes, slots, record_bytes = _FILE_HEADER.unpack_from(data)
-    (crc,) = _FILE_HEADER_CRC.unpack_from(data, _FILE_HEADER.size)
-    if zlib.crc32(data[: _FILE_HEADER.size]) != crc:
-        raise CheckpointFormatError(f"{where}: heartbeat file header is corrupt (CRC mismatch)")
-    if version not in _LAYOUTS:
-        raise CheckpointFormatError(
-            f"{where}: heartbeat format version {version} is not supported (this ckptpilot "
-            f"reads versions {', '.join(map(str, _LAYOUTS))}); upgrade ckptpilot"
-        )
-    if header_bytes != HEADER_BYTES:
-        raise CheckpointFormatError(f"{where}: heartbeat header size {header_bytes} is invalid")
-    try:
-        _check_geometry(slots, record_bytes)
-    except ValueError as exc:
-        raise CheckpointFormatError(f"{where}: heartbeat file header is invalid: {exc}") from exc
-    expected = HEADER_BYTES + slots * record_bytes
-    if len(data) != expected:
-        raise CheckpointFormatError(
-            f"{where}: {len(data)} bytes, but its header describes {slots} slots of "
-            f"{record_bytes} bytes ({expected} bytes in all): truncated or overwritten"
-        )
-    return _Header(version, slots, record_bytes)
+    return scan_ring(data, os.fspath(path))[1]
 
 
 def _open_ring(path: Path, slots: int, record_bytes: int) -> int:
@@ -425,7 +255,7 @@ def _open_ring(path: Path, slots: int, record_bytes: int) -> int:
     aside; return the newest valid sequence number."""
     try:
         data = path.read_bytes()
-        header, records = _scan(data, os.fspath(path))
+        header, records = scan_ring(data, os.fspath(path))
     except FileNotFoundError:
         _create_ring(path, slots, record_bytes, [])
         return 0
@@ -438,11 +268,13 @@ def _open_ring(path: Path, slots: int, record_bytes: int) -> int:
         _create_ring(path, slots, record_bytes, [])
         return 0
     if (header.version, header.slots, header.record_bytes) != (
-        FORMAT_VERSION,
+        RING_VERSION,
         slots,
         record_bytes,
     ):
-        kept = [r for r in records if len(_encode(r.data)) <= record_bytes - SLOT_HEADER_BYTES]
+        kept = [
+            r for r in records if len(encode_payload(r.data)) <= record_bytes - SLOT_HEADER_BYTES
+        ]
         _create_ring(path, slots, record_bytes, kept[-slots:])
         log.info(
             "heartbeat file %s rewritten from version %d, %d x %d to version %d, %d x %d bytes, "
@@ -451,7 +283,7 @@ def _open_ring(path: Path, slots: int, record_bytes: int) -> int:
             header.version,
             header.slots,
             header.record_bytes,
-            FORMAT_VERSION,
+            RING_VERSION,
             slots,
             record_bytes,
             min(len(kept), slots),
@@ -459,19 +291,15 @@ def _open_ring(path: Path, slots: int, record_bytes: int) -> int:
     return records[-1].seq if records else 0
 
 
-def _encode(data: Mapping[str, Any]) -> bytes:
-    return _ENCODER.encode(data).encode("utf-8")
-
-
 def _create_ring(path: Path, slots: int, record_bytes: int, records: list[HeartbeatRecord]) -> None:
     """Write a fresh ring holding ``records`` to a temporary name, fsync it, rename it over."""
     buffer = bytearray(HEADER_BYTES + slots * record_bytes)
-    header = _header_bytes(slots, record_bytes)
+    header = ring_header(slots, record_bytes)
     buffer[: len(header)] = header
     for record in records:
         offset = HEADER_BYTES + ((record.seq - 1) % slots) * record_bytes
         uptime = math.nan if record.uptime_seconds is None else record.uptime_seconds
-        _put_slot(buffer, offset, record.seq, record.wall_time, uptime, _encode(record.data))
+        put_slot(buffer, offset, record.seq, record.wall_time, uptime, encode_payload(record.data))
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(temporary, "wb") as file:
