@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptpilot.errors import NoCheckpointError
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
 from ckptpilot.vocab import CheckpointKey, RetentionClass, Status, Tier
 
@@ -133,13 +134,14 @@ class Catalog:
             self.store.mark(row.key, row.status, retention_class=promoted.value,
                             note=f"kept: saved before the loss spike of step {suspect + 1}")
 
-    def set_metric(self, step: int, name: str, value: float) -> bool:
-        """Attach a metric to the rows of ``step`` in every tier; False when it has none."""
+    def set_metric(self, step: int, name: str, value: float) -> None:
+        """Attach a metric to the rows of ``step`` in every tier."""
         found = [key for key in (self.key(step, Tier.PEER), self.key(step, Tier.REMOTE))
                  if self.store.get(key) is not None]
+        if not found:
+            raise NoCheckpointError(f"metric {name!r}: step {step} has no checkpoint row")
         for key in found:
             self.store.set_metric(key, name, value)
-        return bool(found)
 
     def condemn(self, step: int, tier: Tier, error: BaseException) -> None:
         """A copy that failed verification on restore: never tried again, pruned later."""

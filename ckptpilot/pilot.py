@@ -34,10 +34,7 @@ import math
 import os
 import statistics
 import time
-import zlib
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +43,7 @@ import torch
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.catalog import RECOVER_PIN, Catalog, SaveIntent
 from ckptpilot.codecs.selector import CodecSelector
-from ckptpilot.errors import NoCheckpointError
+from ckptpilot.lifecycle import RecoveryReport, RunLifecycle
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY, HealthMonitor
@@ -57,7 +54,8 @@ from ckptpilot.saveplan import plan_save
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.state import HostBufferPool, Stateful, TrainingComponents, apply, capture
-from ckptpilot.storage.heartbeat import HeartbeatRecord, HeartbeatWriter, read_latest
+from ckptpilot.steps import StepDecider, write_heartbeat
+from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
 from ckptpilot.storage.ledger import FailureLedger, Rollback
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.telemetry import Telemetry
@@ -72,24 +70,6 @@ __all__ = ["PEER_FORMAT", "RECOVER_PIN", "CheckpointPilot", "RecoveryReport",
            "RecoverySource", "SaveRecord", "SkippedCheckpoint"]
 
 log = logging.getLogger("ckptpilot")
-
-_STEP_TIME_ALPHA = 0.05
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    """What ``restore()`` did. ``steps_lost`` compares the dead run's newest heartbeat with the
-    recovered step (None when no heartbeat of an earlier run exists); ``bytes_read`` counts
-    what was read from the source (for the memory tier: copied) to restore it."""
-
-    source: RecoverySource
-    step: int
-    level: str | None
-    seconds: float
-    steps_lost: int | None
-    location: str | None
-    skipped: tuple[SkippedCheckpoint, ...] = ()
-    bytes_read: int = 0
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -176,14 +156,13 @@ class CheckpointPilot:
             pool=self._pool, validator=self._validator, pulse_codecs=pulse_codecs,
             telemetry=self._telemetry, max_pending=max_pending)
         hb_path = self.run_dir / f"heartbeat_rank_{self.rank:05d}.ring"
-        self._previous_heartbeat: HeartbeatRecord | None = read_latest(hb_path)
+        previous_heartbeat = read_latest(hb_path)
         self._heartbeat = HeartbeatWriter(hb_path)
-        self._ledger = FailureLedger(self.run_dir / f"ledger_rank_{self.rank:05d}.jsonl")
-        self._rollback = RollbackGuard(policy.rollback, rank=self.rank, ledger=self._ledger,
+        ledger = FailureLedger(self.run_dir / f"ledger_rank_{self.rank:05d}.jsonl")
+        self._lifecycle = RunLifecycle(ledger, previous_heartbeat)
+        self._rollback = RollbackGuard(policy.rollback, rank=self.rank, ledger=ledger,
                                        catalog=catalog, writer=self._writer,
                                        data_state=self.components.data_state)
-        self._spike: tuple[int, str] | None = None  # (onset, reason) agreed at this step
-        self._run_started = False
         self._health: HealthMonitor | None = None
         if policy.scheduler.weights.system > 0:
             self._health = HealthMonitor(self.run_dir, policy.scheduler.system,
@@ -195,20 +174,13 @@ class CheckpointPilot:
         self._restorer = Restorer(catalog, self.remote, self.peers, self.memory,
                                   self._agreement)
         self._catalog = catalog
-        self._stalls: deque[float] = deque(maxlen=16)
-        self._save_cost: float | None = None  # median of the recent stalls, per save
-        self._mtbf_seconds: float | None = None
-        self._step_seconds: float | None = None
-        self._last_observe: float | None = None
-        self._non_finite_steps = 0
+        self._steps = StepDecider(policy, self.scheduler, health=self._health,
+                                  agreement=self._agreement, rollback=self._rollback)
         self._last_save_step: int | None = None
         self._base_step = 0
         self._optimizer_steps = 0
         self._observed = False
         self._closed = False
-        self._grad_norm: torch.Tensor | None = None
-        self._grad_probe_pending = False
-        self._caller_grad_norm = False
         self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                       if optimizer is not None else None)
 
@@ -226,7 +198,7 @@ class CheckpointPilot:
     @property
     def last_grad_norm(self) -> float | None:
         """Global L2 norm of the gradients at the last probe (every ``grad.probe_every``)."""
-        return None if self._grad_norm is None else float(self._grad_norm)
+        return self._steps.last_grad_norm
 
     # -- training thread -------------------------------------------------------------------
 
@@ -244,11 +216,7 @@ class CheckpointPilot:
         self._check_open()
         self._writer.raise_errors()
         if grad_norm is not None:
-            self._caller_grad_norm = True
-            if self._optimizer_steps % self.policy.scheduler.grad.probe_every == 0:
-                self._grad_norm = (grad_norm.detach() if isinstance(grad_norm, torch.Tensor)
-                                   else torch.tensor(float(grad_norm)))
-                self._grad_probe_pending = True
+            self._steps.caller_grad_norm(grad_norm, self._optimizer_steps)
         if step is None:
             step = self.step + 1 if self._observed else self._base_step + 1
         self._observed = True
@@ -258,12 +226,12 @@ class CheckpointPilot:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().item()
         self.last_loss = None if loss is None else float(loss)
-        self._time_step()
+        self._steps.tick()
         decision = self._decide()
         if step % self.policy.levels.heartbeat.every == 0:
             self._write_heartbeat()
-        if self._spike is not None:
-            decision = self._rollback.on_spike(decision, self.step, *self._spike,
+        if self._steps.spike is not None:
+            decision = self._rollback.on_spike(decision, self.step, *self._steps.spike,
                                                restore_before=self._restore_before)
             if decision.rollback_to is not None and self._agreement is not None:
                 # The reduction started at this step may carry the same spike from a rank
@@ -299,23 +267,13 @@ class CheckpointPilot:
                                  metric=(name, value))):
             self.scheduler.note_save(self.step, Level.PULSE)
             return
-        self._writer.run_after(self.step, "metric update", self._set_metric, self.step, name,
-                               value)
-
-    def _set_metric(self, step: int, name: str, value: float) -> None:
-        """On the writer thread, after the save of ``step``: on its row in every tier."""
-        if not self._catalog.set_metric(step, name, value):
-            raise NoCheckpointError(f"metric {name!r}: step {step} has no checkpoint row")
+        self._writer.run_after(self.step, "metric update", self._catalog.set_metric,
+                               self.step, name, value)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
                               kwargs: Any) -> None:
         self._optimizer_steps += 1
-        if (not self._caller_grad_norm
-                and self._optimizer_steps % self.policy.scheduler.grad.probe_every == 0):
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-                     if p.grad is not None]
-            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-            self._grad_probe_pending = self._grad_norm is not None
+        self._steps.probe(optimizer, self._optimizer_steps)
         # Without observe() the hook is the step boundary. The first optimizer step cannot
         # tell the two modes apart, so hook-time decisions start at the second one.
         if not self._observed:
@@ -330,65 +288,13 @@ class CheckpointPilot:
             self._save(SaveIntent(decision.level.value, decision.reason,
                                   decision.retention_class.value, decision.score))
 
-    def _time_step(self) -> None:
-        now = time.perf_counter()
-        if self._last_observe is not None:
-            dt = now - self._last_observe
-            self._step_seconds = dt if self._step_seconds is None else (
-                _STEP_TIME_ALPHA * dt + (1 - _STEP_TIME_ALPHA) * self._step_seconds)
-        self._last_observe = now
-
     def _decide(self) -> CheckpointDecision:
-        if not self._run_started:
-            self._ledger.record_run_start(self._base_step)
-            self._run_started = True
-        grad = None
-        if self._grad_probe_pending:
-            grad = float(self._grad_norm)  # type: ignore[arg-type]
-            self._grad_probe_pending = False
-        system = self._health.snapshot() if self._health is not None else None
-        costs = {"save_seconds": self._save_cost,
-                 "mtbf_seconds": self._mtbf_seconds, "step_seconds": self._step_seconds}
-        spike = self._rollback.update(self.step, self.last_loss)
-        scheduler = self.scheduler
-        if self._agreement is not None:
-            # Decide from the signals agreed over the previous step, then measure this one
-            # and start its reduction: measuring after deciding lets an emergency decision
-            # reset the hard-error reference before the next reduction carries it again.
-            signals, agreed_costs, self._spike = self._agreement.take()
-            scheduler.set_cost_model(**agreed_costs)
-            decision = scheduler.decide_from(self.step, signals)
-            self._agreement.start(scheduler.measure(self.step, self.last_loss, grad, system),
-                                  costs, spike)
-        else:
-            local = scheduler.measure(self.step, self.last_loss, grad, system)
-            scheduler.set_cost_model(**costs)
-            decision = scheduler.decide_from(self.step, local)
-            self._spike = None if spike is None else (spike.onset, spike.reason)
-        if decision.non_finite:
-            self._non_finite_steps += 1
-            if self._non_finite_steps == 1 or self._non_finite_steps % 100 == 0:
-                log.warning("%s (%d non-finite steps so far); no checkpoint is taken of it",
-                            decision.reason, self._non_finite_steps)
-        return decision
+        self._lifecycle.start(self._base_step)
+        return self._steps.decide(self.step, self.last_loss)
 
     def _write_heartbeat(self) -> None:
-        c = self.components
-        record: dict[str, Any] = {"step": self.step, "epoch": self._current_epoch(),
-                                  "loss": self.last_loss}
-        if c.data_state is not None:
-            record["cursor"] = c.data_state.state_dict()
-        if c.optimizer is not None:
-            record["lr"] = [float(g["lr"]) for g in c.optimizer.param_groups]
-        if c.lr_scheduler is not None:
-            record["lr_scheduler_step"] = getattr(c.lr_scheduler, "last_epoch", None)
-        if c.scaler is not None:
-            record["scaler"] = c.scaler.state_dict()
-        # A fingerprint of the torch RNG (dropout masks) tells whether a replay from the
-        # last checkpoint follows the same path; the python/numpy states cost ~35 µs a step
-        # to read and live in full in every pulse and organ instead.
-        record["torch_rng_crc32"] = zlib.crc32(torch.get_rng_state().numpy())
-        self._heartbeat.write(record)
+        write_heartbeat(self._heartbeat, self.components, self.step, self._current_epoch(),
+                        self.last_loss)
 
     def _save(self, intent: SaveIntent) -> bool:
         if self._last_save_step == self.step:
@@ -403,8 +309,7 @@ class CheckpointPilot:
             self._writer.release_slot()
             raise
         stall = time.perf_counter() - t0
-        self._stalls.append(stall)
-        self._save_cost = statistics.median(self._stalls)
+        self._steps.note_stall(stall)
         self._writer.submit(snapshot, plan_save(intent, self.policy), stall)
         self._last_save_step = self.step
         return True
@@ -422,32 +327,18 @@ class CheckpointPilot:
     # -- recovery --------------------------------------------------------------------------
 
     def restore(self, step: int | None = None) -> int:
-        """Load the newest checkpoint that verifies (or exactly ``step``); returns the step
-        to resume from, 0 when the run has no checkpoint yet.
+        """Load the newest checkpoint that verifies (or exactly ``step``, or the step pinned
+        by ``ckptpilot recover``); returns the step to resume from, 0 when the run has no
+        checkpoint yet.
 
-        Recovery order (SPEC §7): newest ``valid`` first, from the fastest tier that holds it
-        (memory → peer → remote), re-verified on read. A copy that cannot be read is skipped
-        with its reason and the chain is walked back (up to 5), then the newest organ; one
-        whose bytes are wrong (format, digest) is also marked ``corrupted``, one that met an
-        I/O error is not (the error may pass). ``last_recovery.skipped`` lists what was
-        passed over and why, including rows whose data is missing. If checkpoints exist (or
-        are recorded) but none loads, this raises rather than silently restarting the run
-        from scratch. A state that reads fine but does not fit the live objects
-        (``StateError``) is raised as it is and marks nothing: the checkpoint is good, the
-        model is not the one it came from.
-
-        In a distributed run every rank restores the same step: the newest one that every
-        rank can load (one all-gather of the candidates, one all-reduce per step tried). An
-        exception on one rank is raised there after the collectives, and every other rank
-        raises too, so that no rank resumes alone or waits forever in a collective.
-
-        A pin left by ``ckptpilot recover --step N`` selects step N (any status with
-        ``--force``) and is consumed. When the previous run of this ``run_dir`` died, the
-        interruption goes into the failure ledger (it feeds the Young–Daly bound).
-
-        Restoring the step an instability rollback returned to skips again the batches that
-        rollback skipped (the checkpoint's data cursor predates the skip), so a crash right
-        after a rollback resumes on the same data as the run it interrupted.
+        From the fastest tier that holds it (memory → peer → remote), re-verified on read,
+        walking back past what cannot be read (``last_recovery.skipped`` says why); raises
+        ``NoCheckpointError`` when checkpoints exist (or are recorded) but none loads, never
+        a silent restart from scratch; ``StateError`` when the state does not fit the live
+        objects. Every rank of a distributed run restores the same step, or every rank
+        raises. See :mod:`ckptpilot.restorer` for the order (SPEC §7). A dead previous run's
+        interruption goes into the failure ledger; restoring the step an instability
+        rollback returned to skips its batches again.
         """
         self._check_open()
         restored = self._restore(step)
@@ -468,12 +359,12 @@ class CheckpointPilot:
         read = restored.read
         self._after_restore(restored.step, None if read is None else read.level)
         if read is None:
-            self.last_recovery = self._report(RecoverySource.NONE, 0, None, t0, None,
-                                              restored.skipped)
+            self.last_recovery = self._recovered(RecoverySource.NONE, 0, None, t0, None,
+                                                 restored.skipped)
             return 0
-        self.last_recovery = self._report(read.source, restored.step, read.level.value, t0,
-                                          read.location, restored.skipped, read.bytes_read,
-                                          lifecycle=before is None)
+        self.last_recovery = self._recovered(read.source, restored.step, read.level.value,
+                                             t0, read.location, restored.skipped,
+                                             read.bytes_read, lifecycle=before is None)
         if before is None:
             self._rollback.skip_again_after(restored.step)
         log.info("restored step %d from %s in %.2f s", restored.step, read.location,
@@ -497,28 +388,10 @@ class CheckpointPilot:
         if level is not None:
             self.scheduler.note_save(step, level)
 
-    def _report(self, source: RecoverySource, step: int, level: str | None, t0: float,
-                location: str | None, skipped: tuple[SkippedCheckpoint, ...],
-                bytes_read: int = 0, *, lifecycle: bool = True) -> RecoveryReport:
-        """The report of a restore; with ``lifecycle`` (not a rollback) the ledger also gets
-        the dead run's interruption, if there was one, and this run's start."""
-        seconds = time.perf_counter() - t0
-        steps_lost = None
-        if lifecycle:
-            hb = self._previous_heartbeat
-            if hb is not None and hb.step is not None:
-                steps_lost = max(0, hb.step - step)
-                if self._ledger.last_kind() == "run_start":
-                    self._ledger.record_interruption(
-                        failed_at=hb.wall_time, last_step=hb.step, recovered_step=step,
-                        source=source.value, recovery_seconds=seconds,
-                        uptime_seconds=hb.uptime_seconds)
-            self._ledger.record_run_start(step)
-            self._run_started = True
-            self._mtbf_seconds = self._ledger.mtbf_seconds()
-        return RecoveryReport(source=source, step=step, level=level, seconds=seconds,
-                              steps_lost=steps_lost, location=location, skipped=skipped,
-                              bytes_read=bytes_read)
+    def _recovered(self, *args: Any, **kwargs: Any) -> RecoveryReport:
+        report = self._lifecycle.recovered(*args, **kwargs)
+        self._steps.mtbf_seconds = self._lifecycle.mtbf_seconds()
+        return report
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -550,8 +423,8 @@ class CheckpointPilot:
                 stack.callback(getattr(part, method))
 
         then("store", "close")
-        if getattr(self, "_run_started", False):
-            stack.callback(lambda: self._ledger.record_run_end(self.step))
+        if getattr(self, "_lifecycle", None) is not None:
+            stack.callback(lambda: self._lifecycle.end(self.step))
         then("peers", "close")
         then("_validator", "close")
         then("_telemetry", "close")
@@ -574,9 +447,9 @@ class CheckpointPilot:
             "saves": len(self.saves),
             "bytes": sum(r.bytes for r in self.saves),
             "median_stall_seconds": statistics.median(stalls) if stalls else None,
-            "non_finite_steps": self._non_finite_steps,
+            "non_finite_steps": self._steps.non_finite_steps,
             "interval": self.last_decision.interval if self.last_decision else None,
             "base_interval": self.scheduler.base_interval,
-            "step_seconds": self._step_seconds,
-            "mtbf_seconds": self._mtbf_seconds,
+            "step_seconds": self._steps.step_seconds,
+            "mtbf_seconds": self._steps.mtbf_seconds,
         }

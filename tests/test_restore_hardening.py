@@ -395,7 +395,7 @@ def test_close_releases_the_run_even_when_a_step_of_it_fails(
     def disk_full(step: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(job.pilot._ledger, "record_run_end", disk_full)
+    monkeypatch.setattr(job.pilot._lifecycle, "end", disk_full)
     with pytest.raises(OSError, match="No space left"):
         job.pilot.close()
     Job(tmp_path, interval=3).pilot.close()  # the lease went with the failed close
