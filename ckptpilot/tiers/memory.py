@@ -16,22 +16,37 @@ beyond ``max_pending`` instead of overwriting it.
 
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
 
-Threading: the writer thread calls ``hold``; the training thread ``take`` and
+It implements :class:`~ckptpilot.tiers.base.CheckpointTier` (``put``/``get``/``steps``/
+``discard``/``close``): a put keeps the image's arena itself, with its SHA256, so a ``get``
+detects a held buffer that was written to after the put (a pool bug reusing it).
+
+Threading: the writer thread calls ``hold`` / ``put``; the training thread ``take`` and
 ``newest``; a lock guards the entry.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 
+from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.state import HostBufferPool, Snapshot
+from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.vocab import Level, RetentionClass, Tier
 
 
 @dataclass(frozen=True)
 class MemoryEntry:
+    """The held snapshot; ``sha256`` of its arena when it came through ``put`` (``hold``,
+    the pilot's path, skips the extra hash pass)."""
+
     snapshot: Snapshot
     level: str
+    reason: str = ""
+    retention_class: str = RetentionClass.ROUTINE.value
+    score: float | None = None
+    sha256: str | None = None
 
     @property
     def step(self) -> int:
@@ -40,6 +55,10 @@ class MemoryEntry:
 
 class MemoryTier:
     name = "memory"
+    kind = Tier.MEMORY
+    capabilities = TierCapabilities(durable=False, survives_node_loss=False,
+                                    folds_deltas=False, speed=Tier.MEMORY.speed,
+                                    keeps_older=False)
 
     def __init__(self, max_bytes: int, pool: HostBufferPool, *, max_sets: int) -> None:
         self.max_bytes = max_bytes
@@ -55,15 +74,71 @@ class MemoryTier:
         False when it is not kept — then the caller still owns its buffers. A snapshot over
         ``max_bytes`` is not kept, and the older one held is dropped too: the tier must never
         offer a checkpoint older than the newest saved one as the newest."""
+        return self._keep(MemoryEntry(snapshot, level))
+
+    def _keep(self, entry: MemoryEntry) -> bool:
         with self._lock:
             held = self._entry
-            if held is not None and held.snapshot.step > snapshot.step:
+            if held is not None and held.snapshot.step > entry.step:
                 return False
-            kept = snapshot.nbytes <= self.max_bytes
-            self._entry = MemoryEntry(snapshot, level) if kept else None
-        if held is not None:
+            kept = entry.snapshot.nbytes <= self.max_bytes
+            self._entry = entry if kept else None
+        # The same arena put again is still held: returning it to the pool would let the
+        # next capture overwrite it.
+        if held is not None and held.snapshot.arena is not entry.snapshot.arena:
             self._pool.give_back(held.snapshot)
         return kept
+
+    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
+        """Hold ``image``'s arena itself (no copy; ``base`` is ignored). Not kept
+        (``kept=False``) when it is over ``max_bytes`` — the older image is dropped then — or
+        older than the one held."""
+        snapshot = image.snapshot()
+        digest = hashlib.sha256(image.arena.numpy()).hexdigest()
+        kept = self._keep(MemoryEntry(snapshot, image.level.value, image.reason,
+                                      image.retention_class.value, image.score, digest))
+        return PutReceipt(image.step, f"memory:step {image.step}",
+                          image.nbytes if kept else 0, kept=kept)
+
+    def get(self, step: int) -> CheckpointImage:
+        """A copy of the held image (its buffers go back to the snapshot pool later), checked
+        against the SHA256 taken at ``put``; one kept by ``hold`` has none to check."""
+        with self._lock:
+            held = self._entry
+            if held is None or held.step != step:
+                raise NoCheckpointError(
+                    f"memory:step {step}: not held (the memory tier holds "
+                    f"{'nothing' if held is None else f'step {held.step}'}); restore it from "
+                    "the peer or remote tier")
+            snap = held.snapshot
+            got = CheckpointImage.copied(
+                step, snap.meta, snap.tensors, level=Level(held.level), reason=held.reason,
+                retention_class=RetentionClass(held.retention_class), score=held.score)
+        if held.sha256 is not None:
+            actual = hashlib.sha256(got.arena.numpy()).hexdigest()
+            if actual != held.sha256:
+                raise IntegrityError(f"memory:step {step} (the held arena changed after it "
+                                     "was put)", held.sha256, actual)
+        return got
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return [] if self._entry is None else [self._entry.step]
+
+    def discard(self, step: int) -> None:
+        with self._lock:
+            held = self._entry
+            if held is None or held.step != step:
+                return
+            self._entry = None
+        self._pool.give_back(held.snapshot)
+
+    def close(self) -> None:
+        """Forget the held image (its buffers go back to the pool); idempotent."""
+        with self._lock:
+            held, self._entry = self._entry, None
+        if held is not None:
+            self._pool.give_back(held.snapshot)
 
     def base_for(self, step: int | None, layout: object) -> Snapshot | None:
         """The held snapshot if it is of ``step`` with ``layout``, pinned until ``unpin``: a

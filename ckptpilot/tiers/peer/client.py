@@ -23,6 +23,11 @@ node the registry has down or draining, and a peer that refuses, resets or times
 transfer is marked down there, so that other clients avoid it too. Registry trouble is logged
 and never fails a put or fetch (see ``membership.RegistryView``).
 
+Images: :class:`PeerCheckpointTier` is one rank's view of a :class:`PeerTier` as a
+:class:`~ckptpilot.tiers.base.CheckpointTier`. Its image format (``PEER_FORMAT``) is the
+snapshot's arena, striped as it is, with a JSON meta naming the format, step, rank, labels,
+the layout and the snapshot's own meta (``state``).
+
 Threading: ``put`` and ``fetch`` may be called from one thread at a time each (the pilot's
 background writer, the restoring thread); they spread their transfers over an internal
 thread pool. A daemon thread renews the lease every ``lease_seconds / 3`` until
@@ -35,6 +40,7 @@ Every request, probes included, goes over the tier's persistent connections
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -44,7 +50,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
+from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
+from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
+from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
 from ckptpilot.tiers.peer.errors import (
     NotEnoughPeers,
     PeerRequestError,
@@ -62,6 +72,7 @@ from ckptpilot.tiers.peer.protocol import (
     parse_endpoint,
     shard_tensor,
 )
+from ckptpilot.vocab import Level, RetentionClass, Tier
 
 if TYPE_CHECKING:
     from ckptpilot.policy import PeerTierPolicy
@@ -77,6 +88,8 @@ _COST_ALPHA = 0.3
 # ERR or sends a malformed frame is alive, and a name that does not resolve is our problem.
 _PEER_GONE_ERRORS = (ConnectionError, TimeoutError)
 _LAYOUTS_KEPT = 4
+_MISMATCH = "sha256 mismatch"
+PEER_FORMAT = "ckptpilot-peer-image-1"
 
 
 @dataclass(frozen=True)
@@ -590,10 +603,10 @@ class PeerTier:
             h = reply.header
             body = np.frombuffer(reply.payload, dtype=np.uint8)
             if body.size != stripe.shard_size or h.get("sha256") != _sha256(body):
-                reasons.append(f"@{endpoint}: sha256 mismatch")
+                reasons.append(f"@{endpoint}: {_MISMATCH}")
                 continue
             if h.get("meta_sha256") != hashlib.sha256(reply.meta).hexdigest():
-                reasons.append(f"@{endpoint}: meta sha256 mismatch")
+                reasons.append(f"@{endpoint}: meta {_MISMATCH}")
                 continue
             return body, reply
         return "; ".join(reasons)
@@ -675,9 +688,116 @@ class PeerTier:
         self._check_open()
         return sorted(c for c, s in self._catalog()[0].items() if s.recoverable())
 
+    def drop(self, ckpt_id: int) -> None:
+        """Free checkpoint ``ckpt_id`` on every reachable peer (nothing when none holds it).
+
+        Peers drop whole runs only; that is this checkpoint and anything older, which the
+        peers supersede anyway. A newer committed checkpoint would go with it, so then this
+        raises instead. A peer that cannot be reached keeps its shards until the lease ends.
+        """
+        self._check_open()
+        catalog = self._catalog()[0]
+        if ckpt_id not in catalog:
+            return
+        newer = sorted(c for c, s in catalog.items() if c > ckpt_id and s.committed)
+        if newer:
+            raise PeerUnavailable(
+                f"cannot drop checkpoint {ckpt_id} of run {self.run_id!r} alone: the peers "
+                f"also hold the newer {newer} and free only whole runs; drop {newer[-1]}, "
+                "which frees both", {-1: "newer checkpoint held"})
+
+        def drop(endpoint: str) -> str | None:
+            try:
+                self._connections.call(endpoint, Op.DROP, {"run_id": self.run_id},
+                                       timeout_seconds=self.timeout_seconds)
+                return None
+            except _REQUEST_ERRORS as e:
+                return _reason(e)
+
+        for endpoint, error in zip(self.endpoints, self._pool.map(drop, self.endpoints),
+                                   strict=True):
+            if error is not None:
+                log.warning("DROP of run %r on %s failed (its shards stay until the lease "
+                            "ends): %s", self.run_id, endpoint, error)
+
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise RuntimeError("this PeerTier is closed")
+
+
+class PeerCheckpointTier:
+    """The images of one rank on a :class:`PeerTier` (see "Images" in the module docstring).
+    Owns the tier: :meth:`close` closes it."""
+
+    kind = Tier.PEER
+    capabilities = TierCapabilities(durable=False, survives_node_loss=True, folds_deltas=True,
+                                    speed=Tier.PEER.speed, keeps_older=False)
+
+    def __init__(self, peers: PeerTier, *, rank: int) -> None:
+        self.peers = peers
+        self.rank = rank
+
+    def _where(self, step: int) -> str:
+        return f"peer:{self.peers.run_id}/{step}"
+
+    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
+        """Stripe the arena over the peers, as XOR deltas against ``base`` where they still
+        hold it; committed only once every shard is stored, so a failed put leaves the
+        previous image the one ``get`` returns."""
+        image.tensors()  # an arena that disagrees with its layout is refused before sending
+        meta = json.dumps({
+            "format": PEER_FORMAT, "step": image.step, "rank": self.rank,
+            "level": image.level.value, "reason": image.reason,
+            "retention_class": image.retention_class.value, "score": image.score,
+            "created_unix": time.time(),
+            "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in image.layout],
+            "state": image.meta,
+        }, separators=(",", ":")).encode()
+        result = self.peers.put(image.step, image.arena.numpy(), meta,
+                                base=None if base is None else (base.step, base.arena.numpy()))
+        return PutReceipt(image.step, f"{self._where(image.step)}@{','.join(result.endpoints)}",
+                          result.bytes_sent, delta=result.delta_shards > 0)
+
+    def get(self, step: int) -> CheckpointImage:
+        """The image, every shard checked against its SHA256 (one lost or corrupt shard is
+        rebuilt from parity). A step the peers hold but never committed (a failed put) is not
+        returned. Peers that cannot be reached raise :class:`PeerUnavailable`."""
+        where = self._where(step)
+        if step not in self.peers.list():
+            raise NoCheckpointError(f"{where}: step {step} is held by no reachable peer; "
+                                    "restore it from the remote tier")
+        try:
+            fetched = self.peers.fetch(step)
+        except PeerUnavailable as e:
+            if any(_MISMATCH in reason for reason in e.failures.values()):
+                raise IntegrityError(f"{where}: step {step}", "the shard digests of its put",
+                                     str(e)) from e
+            raise
+        try:
+            meta = json.loads(fetched.meta)
+            held = (meta.get("format"), meta.get("step"), meta.get("rank"))
+            layout = tuple((name, DTYPES[dtype], tuple(shape))
+                           for name, dtype, shape in meta["layout"])
+            labels = (Level(meta["level"]), meta["reason"],
+                      RetentionClass(meta["retention_class"]), meta["score"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointFormatError(f"{where}: bad meta: {e}") from e
+        if held != (PEER_FORMAT, step, self.rank):
+            raise CheckpointFormatError(f"{where}: holds {held[0]!r} of step {held[1]!r}, rank "
+                                        f"{held[2]!r}, not {PEER_FORMAT!r} of step {step}, "
+                                        f"rank {self.rank}")
+        arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
+                 else torch.empty(0, dtype=torch.uint8))
+        return CheckpointImage(step, meta["state"], arena, layout, *labels)
+
+    def steps(self) -> list[int]:
+        return self.peers.list()
+
+    def discard(self, step: int) -> None:
+        self.peers.drop(step)
+
+    def close(self) -> None:
+        self.peers.close()
 
 
 def _either(
