@@ -40,31 +40,21 @@ from typing import Any
 
 import torch
 
-from ckptpilot.agreement import RankAgreement
-from ckptpilot.catalog import RECOVER_PIN, Catalog, SaveIntent
-from ckptpilot.codecs.selector import CodecSelector
-from ckptpilot.lifecycle import RecoveryReport, RunLifecycle
+from ckptpilot.assembly import open_parts
+from ckptpilot.catalog import RECOVER_PIN, SaveIntent
+from ckptpilot.lifecycle import RecoveryReport
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.probes.gpu import GpuHealthProvider
-from ckptpilot.probes.monitor import FROM_POLICY, HealthMonitor
-from ckptpilot.restorer import PEER_FORMAT, Read, Restorer, SkippedCheckpoint
-from ckptpilot.rollback import RollbackGuard
-from ckptpilot.rundir import RunLease, run_identity
+from ckptpilot.probes.monitor import FROM_POLICY
+from ckptpilot.restorer import PEER_FORMAT, Read, SkippedCheckpoint
+from ckptpilot.rundir import RunLease
 from ckptpilot.saveplan import plan_save
-from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision
-from ckptpilot.state import HostBufferPool, Stateful, TrainingComponents, apply, capture
-from ckptpilot.steps import StepDecider, write_heartbeat
-from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
-from ckptpilot.storage.ledger import FailureLedger, Rollback
-from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.telemetry import Telemetry
-from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PeerTier
-from ckptpilot.tiers.remote import RemoteTier
-from ckptpilot.validation.postwrite import PostWriteValidator
+from ckptpilot.state import Stateful, TrainingComponents, apply, capture
+from ckptpilot.steps import write_heartbeat
+from ckptpilot.storage.ledger import Rollback
 from ckptpilot.vocab import Level, RecoverySource
-from ckptpilot.writer import CheckpointWriter, SaveRecord
+from ckptpilot.writer import SaveRecord
 
 __all__ = ["PEER_FORMAT", "RECOVER_PIN", "CheckpointPilot", "RecoveryReport",
            "RecoverySource", "SaveRecord", "SkippedCheckpoint"]
@@ -104,83 +94,39 @@ class CheckpointPilot:
         self.components = TrainingComponents(model=model, optimizer=optimizer,
                                              lr_scheduler=lr_scheduler, scaler=scaler,
                                              data_state=data_state)
-        self._closed = True  # until _open() finished: close() then has nothing to undo
         # First, before any file of the run is touched: a second pilot for this rank refuses.
         self._lease = RunLease(self.run_dir, self.rank)
+        self._closed = False
+        self._stops = contextlib.ExitStack()  # stops every part started, the lease last
+        self._stops.callback(self._lease.release)
         try:
-            self._open(optimizer=optimizer, gpu_health=gpu_health)
+            parts = open_parts(self.policy, self.components, rank=self.rank,
+                               world_size=self.world_size, gpu_health=gpu_health,
+                               stops=self._stops)
         except BaseException:
+            self._closed = True
             try:
-                self._teardown().close()
+                self._stops.close()
             except Exception:
                 log.exception("while stopping what a pilot that failed to start had started")
             raise
-
-    def _open(self, *, optimizer: torch.optim.Optimizer | None,
-              gpu_health: GpuHealthProvider | None) -> None:
-        policy = self.policy
-        self.remote = RemoteTier(policy.tiers.remote.url)
-        self.run_id = run_identity(self.run_dir)
-        self.store = MetadataStore(self.run_dir / "metadata.sqlite")
-        # A directory whose rows are keyed by its folder's name (no run id yet) is re-keyed.
-        self.store.adopt_run_id(self.run_dir.name, self.run_id)
-        catalog = Catalog(self.store, self.run_id, self.rank, self.run_dir)
-        self._validator = PostWriteValidator(policy.validation)
-        self.scheduler = AdaptiveCheckpointScheduler(policy.scheduler, policy.retention)
+        self._stops.callback(lambda: parts.lifecycle.end(self.step))
+        self.run_id, self.remote, self.store = parts.run_id, parts.remote, parts.store
+        self.memory, self.peers, self.scheduler = parts.memory, parts.peers, parts.scheduler
+        self._pool, self._catalog, self._writer = parts.pool, parts.catalog, parts.writer
+        self._telemetry, self._heartbeat, self._health = (parts.telemetry, parts.heartbeat,
+                                                          parts.health)
+        self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,
+                                                            parts.agreement)
+        self._restorer, self._steps = parts.restorer, parts.steps
         self.extras: dict[str, Any] = {}
-        self.step = 0
+        self.step = self._base_step = self._optimizer_steps = 0
         self.epoch: int | None = None
         self.last_loss: float | None = None
         self.last_decision: CheckpointDecision | None = None
         self.last_recovery: RecoveryReport | None = None
-
-        max_pending = policy.async_.max_pending
-        self._pool = HostBufferPool(max_pending)
-        mem = policy.tiers.memory
-        self.memory = (MemoryTier(mem.max_bytes, self._pool, max_sets=max_pending)
-                       if mem.enabled else None)
-        peer = policy.tiers.peer
-        self.peers = (PeerTier.from_policy(
-            peer, run_id=f"{self.run_dir.name}-{self.run_id}.rank{self.rank:05d}")
-            if peer.enabled else None)
-        codecs = policy.codecs
-        pulse_codecs = CodecSelector(
-            {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
-            bandwidth_bytes_per_s=policy.tiers.remote.bandwidth, level=codecs.zstd_level,
-            prefix_bits=codecs.prefix_bits, threads=codecs.threads)
-        obs = policy.observability
-        self._telemetry = Telemetry(self.run_dir, rank=self.rank, tensorboard=obs.tensorboard,
-                                    decision_log=obs.decision_log)
-        self._writer = CheckpointWriter(
-            catalog=catalog, remote=self.remote, peers=self.peers, memory=self.memory,
-            pool=self._pool, validator=self._validator, pulse_codecs=pulse_codecs,
-            telemetry=self._telemetry, max_pending=max_pending)
-        hb_path = self.run_dir / f"heartbeat_rank_{self.rank:05d}.ring"
-        previous_heartbeat = read_latest(hb_path)
-        self._heartbeat = HeartbeatWriter(hb_path)
-        ledger = FailureLedger(self.run_dir / f"ledger_rank_{self.rank:05d}.jsonl")
-        self._lifecycle = RunLifecycle(ledger, previous_heartbeat)
-        self._rollback = RollbackGuard(policy.rollback, rank=self.rank, ledger=ledger,
-                                       catalog=catalog, writer=self._writer,
-                                       data_state=self.components.data_state)
-        self._health: HealthMonitor | None = None
-        if policy.scheduler.weights.system > 0:
-            self._health = HealthMonitor(self.run_dir, policy.scheduler.system,
-                                         provider=gpu_health)
-            self._health.start()
-        self._agreement = (RankAgreement(self.rank, self.world_size)
-                           if self.world_size > 1 and torch.distributed.is_available()
-                           and torch.distributed.is_initialized() else None)
-        self._restorer = Restorer(catalog, self.remote, self.peers, self.memory,
-                                  self._agreement)
-        self._catalog = catalog
-        self._steps = StepDecider(policy, self.scheduler, health=self._health,
-                                  agreement=self._agreement, rollback=self._rollback)
         self._last_save_step: int | None = None
-        self._base_step = 0
-        self._optimizer_steps = 0
         self._observed = False
-        self._closed = False
         self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                       if optimizer is not None else None)
 
@@ -408,31 +354,8 @@ class CheckpointPilot:
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
-        with self._teardown():
+        with self._stops:
             self.flush()
-
-    def _teardown(self) -> contextlib.ExitStack:
-        """The stops and releases of a pilot, in order, as one stack whose every callback
-        runs; safe on a pilot whose construction failed part-way."""
-        stack = contextlib.ExitStack()
-        stack.callback(self._lease.release)
-
-        def then(name: str, method: str) -> None:
-            part = getattr(self, name, None)
-            if part is not None:
-                stack.callback(getattr(part, method))
-
-        then("store", "close")
-        if getattr(self, "_lifecycle", None) is not None:
-            stack.callback(lambda: self._lifecycle.end(self.step))
-        then("peers", "close")
-        then("_validator", "close")
-        then("_telemetry", "close")
-        then("_health", "stop")
-        then("_heartbeat", "close")
-        then("_agreement", "drop")
-        then("_writer", "shutdown")
-        return stack
 
     def __enter__(self) -> CheckpointPilot:
         return self

@@ -404,12 +404,12 @@ def test_close_releases_the_run_even_when_a_step_of_it_fails(
 def test_a_pilot_that_fails_to_start_stops_what_it_started(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ledger is opened after the writer, telemetry and heartbeat threads started."""
-    import ckptpilot.pilot as pilot_module
+    import ckptpilot.assembly as assembly_module
 
     def unreadable(path: Path) -> None:
         raise OSError(5, "Input/output error", str(path))
 
-    monkeypatch.setattr(pilot_module, "FailureLedger", unreadable)
+    monkeypatch.setattr(assembly_module, "FailureLedger", unreadable)
     before = set(threading.enumerate())
     with pytest.raises(OSError, match="Input/output error"):
         Job(tmp_path, interval=3)
