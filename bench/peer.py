@@ -65,13 +65,13 @@ import torch
 from scratch import DEFAULT_DIR, REPO, scratch_dir
 from stall import Layout, State, build_state, state_nbytes
 
-from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
-from ckptpilot.pilot import PEER_FORMAT
+from ckptpilot.format.image import ImageMeta
 from ckptpilot.state import Snapshot, TrainingComponents, arena_views, capture
 from ckptpilot.storage.archive import read_organ, stage_organ
 from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.peer.protocol import Op, call
 from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.vocab import Level, RetentionClass
 
 DAEMONS = 5
 DATA_SHARDS = (1, 2, 3, 4)
@@ -191,14 +191,11 @@ def snapshot_of(state: State, step: int) -> Snapshot:
 
 
 def peer_meta(snapshot: Snapshot) -> bytes:
-    """The meta the pilot puts next to the image (``CheckpointPilot._persist_to_peers``)."""
-    return json.dumps({
-        "format": PEER_FORMAT, "step": snapshot.step, "rank": 0, "level": "organ",
-        "reason": "bench", "retention_class": "routine", "score": None,
-        "created_unix": time.time(),
-        "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in snapshot.layout],
-        "state": snapshot.meta,
-    }, separators=(",", ":")).encode()
+    """The meta the pilot's writer puts next to the image."""
+    return ImageMeta(step=snapshot.step, rank=0, level=Level.ORGAN, reason="bench",
+                     retention_class=RetentionClass.ROUTINE, score=None,
+                     created_unix=time.time(), layout=tuple(snapshot.layout),
+                     state=snapshot.meta).encode()
 
 
 def one_more_step(state: State, width: int) -> None:
@@ -321,8 +318,7 @@ def peer_recover(endpoints: list[str], run_id: str, ckpt_id: int) -> Recovered:
     try:
         built = time.perf_counter() - t0
         fetched = tier.fetch(ckpt_id)
-        meta = json.loads(fetched.meta)
-        layout = [(name, DTYPES[dtype], shape) for name, dtype, shape in meta["layout"]]
+        layout = ImageMeta.decode(fetched.meta).layout
         tensors = arena_views(torch.frombuffer(fetched.image, dtype=torch.uint8), layout)
         seconds = time.perf_counter() - t0
     finally:

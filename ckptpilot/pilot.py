@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from ckptpilot.assembly import open_parts
-from ckptpilot.catalog import RECOVER_PIN, SaveIntent
+from ckptpilot.catalog import SaveIntent
 from ckptpilot.lifecycle import RecoveryReport
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY
-from ckptpilot.restorer import PEER_FORMAT, Read, SkippedCheckpoint
+from ckptpilot.restorer import Read, SkippedCheckpoint
 from ckptpilot.rundir import RunLease
 from ckptpilot.saveplan import plan_save
 from ckptpilot.scheduler.decision import CheckpointDecision
@@ -56,8 +56,8 @@ from ckptpilot.storage.ledger import Rollback
 from ckptpilot.vocab import Level, RecoverySource
 from ckptpilot.writer import SaveRecord
 
-__all__ = ["PEER_FORMAT", "RECOVER_PIN", "CheckpointPilot", "RecoveryReport",
-           "RecoverySource", "SaveRecord", "SkippedCheckpoint"]
+__all__ = ["CheckpointPilot", "RecoveryReport", "RecoverySource", "SaveRecord",
+           "SkippedCheckpoint"]
 
 log = logging.getLogger("ckptpilot")
 

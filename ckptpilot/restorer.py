@@ -16,7 +16,6 @@ with the writer idle (the pilot flushes it first).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -28,8 +27,8 @@ import torch
 
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.catalog import Catalog
-from ckptpilot.codecs.blob import DTYPES
 from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
+from ckptpilot.format.image import ImageMeta
 from ckptpilot.state import arena_views
 from ckptpilot.storage.archive import (
     ArchiveListing,
@@ -44,11 +43,10 @@ from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
 from ckptpilot.vocab import Level, RecoverySource, Status, Tier
 
-__all__ = ["MAX_RECOVERY_WALK", "PEER_FORMAT", "Restored", "Restorer", "SkippedCheckpoint"]
+__all__ = ["MAX_RECOVERY_WALK", "Restored", "Restorer", "SkippedCheckpoint"]
 
 log = logging.getLogger("ckptpilot")
 
-PEER_FORMAT = "ckptpilot-peer-image-1"
 MAX_RECOVERY_WALK = 5
 _ALWAYS_REPORTED = 1 << 62  # a "missing" entry newer than any step: reported on every outcome
 
@@ -291,18 +289,8 @@ class Restorer:
         assert self._peers is not None
         fetched = self._peers.fetch(step)
         where = f"peer:{self._peers.run_id}/{step}"
-        try:
-            meta = json.loads(fetched.meta)
-            if meta.get("format") != PEER_FORMAT or (meta.get("step"), meta.get("rank")) != (
-                    step, self._rank):
-                raise CheckpointFormatError(
-                    f"{where}: holds {meta.get('format')!r} of step {meta.get('step')!r}, "
-                    f"rank {meta.get('rank')!r}")
-            layout = [(name, DTYPES[dtype], shape) for name, dtype, shape in meta["layout"]]
-            level = Level(meta["level"])
-            state = meta["state"]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointFormatError(f"{where}: bad meta: {e}") from e
+        image = ImageMeta.decode(fetched.meta, where=where, step=step, rank=self._rank)
+        layout, level, state = image.layout, image.level, image.state
         arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
                  else torch.empty(0, dtype=torch.uint8))
         tensors = arena_views(arena, layout)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -33,10 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptpilot.catalog import Catalog
-from ckptpilot.codecs.blob import DTYPE_NAMES
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError
-from ckptpilot.restorer import PEER_FORMAT
+from ckptpilot.format.image import ImageMeta
 from ckptpilot.saveplan import SavePlan
 from ckptpilot.state import HostBufferPool, Snapshot
 from ckptpilot.storage.archive import StagedArchive, model_layout, stage_organ
@@ -239,14 +237,11 @@ class CheckpointWriter:
         assert self._peers is not None and snapshot.arena is not None
         intent = plan.intent
         t0 = time.perf_counter()
-        meta = json.dumps({
-            "format": PEER_FORMAT, "step": snapshot.step, "rank": self._rank,
-            "level": intent.level, "reason": intent.reason,
-            "retention_class": intent.retention_class, "score": intent.score,
-            "created_unix": time.time(),
-            "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in snapshot.layout],
-            "state": snapshot.meta,
-        }, separators=(",", ":")).encode()
+        meta = ImageMeta(step=snapshot.step, rank=self._rank, level=Level(intent.level),
+                         reason=intent.reason,
+                         retention_class=RetentionClass(intent.retention_class),
+                         score=intent.score, created_unix=time.time(),
+                         layout=tuple(snapshot.layout), state=snapshot.meta).encode()
         base = None
         held = (self._memory.base_for(self._peer_step, snapshot.layout)
                 if self._memory is not None else None)
