@@ -94,9 +94,9 @@ _MALLOC_TRIM = _load_malloc_trim()
 
 
 def _trim_heap() -> None:
-    """Give the heap that encoding freed back to the system (glibc keeps freed heap memory
-    of its worker-thread arenas; measured, a 100 MB state's pulses then grew the process by
-    a further ~0.8 state). A few milliseconds per pulse, on the writer thread."""
+    """Give the heap that encoding freed back to the system: glibc keeps the freed memory of
+    its worker-thread arenas, so without a trim every pulse leaves the process larger by a
+    good part of the state. Runs on the writer thread, never on the training thread."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
