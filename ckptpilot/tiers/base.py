@@ -20,13 +20,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ckptpilot.format.image import Layout
 from ckptpilot.state import Snapshot, arena_views
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
 __all__ = ["CheckpointImage", "CheckpointTier", "Layout", "PutReceipt", "TierCapabilities"]
 
-Layout = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
-"""(name, dtype, shape) of each tensor, in arena order (``Snapshot.layout``)."""
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,8 @@ transfer is marked down there, so that other clients avoid it too. Registry trou
 and never fails a put or fetch (see ``membership.RegistryView``).
 
 Images: :class:`PeerCheckpointTier` is one rank's view of a :class:`PeerTier` as a
-:class:`~ckptpilot.tiers.base.CheckpointTier`. Its image format (``PEER_FORMAT``) is the
-snapshot's arena, striped as it is, with a JSON meta naming the format, step, rank, labels,
-the layout and the snapshot's own meta (``state``).
+:class:`~ckptpilot.tiers.base.CheckpointTier`. Its image is the snapshot's arena, striped as
+it is, with the meta of ``format.image`` (:class:`~ckptpilot.format.image.ImageMeta`).
 
 Threading: ``put`` and ``fetch`` may be called from one thread at a time each (the pilot's
 background writer, the restoring thread); they spread their transfers over an internal
@@ -40,7 +39,6 @@ Every request, probes included, goes over the tier's persistent connections
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -52,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
-from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
+from ckptpilot.errors import IntegrityError, NoCheckpointError
+from ckptpilot.format.image import ImageMeta
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
 from ckptpilot.tiers.peer.errors import (
     NotEnoughPeers,
@@ -72,7 +70,7 @@ from ckptpilot.tiers.peer.protocol import (
     parse_endpoint,
     shard_tensor,
 )
-from ckptpilot.vocab import Level, RetentionClass, Tier
+from ckptpilot.vocab import Tier
 
 if TYPE_CHECKING:
     from ckptpilot.policy import PeerTierPolicy
@@ -89,7 +87,6 @@ _COST_ALPHA = 0.3
 _PEER_GONE_ERRORS = (ConnectionError, TimeoutError)
 _LAYOUTS_KEPT = 4
 _MISMATCH = "sha256 mismatch"
-PEER_FORMAT = "ckptpilot-peer-image-1"
 
 
 @dataclass(frozen=True)
@@ -745,14 +742,10 @@ class PeerCheckpointTier:
         hold it; committed only once every shard is stored, so a failed put leaves the
         previous image the one ``get`` returns."""
         image.tensors()  # an arena that disagrees with its layout is refused before sending
-        meta = json.dumps({
-            "format": PEER_FORMAT, "step": image.step, "rank": self.rank,
-            "level": image.level.value, "reason": image.reason,
-            "retention_class": image.retention_class.value, "score": image.score,
-            "created_unix": time.time(),
-            "layout": [[k, DTYPE_NAMES[d], list(shape)] for k, d, shape in image.layout],
-            "state": image.meta,
-        }, separators=(",", ":")).encode()
+        meta = ImageMeta(step=image.step, rank=self.rank, level=image.level,
+                         reason=image.reason, retention_class=image.retention_class,
+                         score=image.score, created_unix=time.time(), layout=image.layout,
+                         state=dict(image.meta)).encode()
         result = self.peers.put(image.step, image.arena.numpy(), meta,
                                 base=None if base is None else (base.step, base.arena.numpy()))
         return PutReceipt(image.step, f"{self._where(image.step)}@{','.join(result.endpoints)}",
@@ -773,22 +766,11 @@ class PeerCheckpointTier:
                 raise IntegrityError(f"{where}: step {step}", "the shard digests of its put",
                                      str(e)) from e
             raise
-        try:
-            meta = json.loads(fetched.meta)
-            held = (meta.get("format"), meta.get("step"), meta.get("rank"))
-            layout = tuple((name, DTYPES[dtype], tuple(shape))
-                           for name, dtype, shape in meta["layout"])
-            labels = (Level(meta["level"]), meta["reason"],
-                      RetentionClass(meta["retention_class"]), meta["score"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointFormatError(f"{where}: bad meta: {e}") from e
-        if held != (PEER_FORMAT, step, self.rank):
-            raise CheckpointFormatError(f"{where}: holds {held[0]!r} of step {held[1]!r}, rank "
-                                        f"{held[2]!r}, not {PEER_FORMAT!r} of step {step}, "
-                                        f"rank {self.rank}")
+        meta = ImageMeta.decode(fetched.meta, where=where, step=step, rank=self.rank)
         arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
                  else torch.empty(0, dtype=torch.uint8))
-        return CheckpointImage(step, meta["state"], arena, layout, *labels)
+        return CheckpointImage(step, meta.state, arena, meta.layout, meta.level, meta.reason,
+                               meta.retention_class, meta.score)
 
     def steps(self) -> list[int]:
         return self.peers.list()
