@@ -87,8 +87,9 @@ class HostBufferPool:
     """Host buffers of finished snapshots, reused by the next capture of the same layout.
 
     Reusing memory that is already faulted in makes the training-thread copy a plain memcpy
-    instead of a page-fault storm (about 3x faster for large states). The pool keeps at most
-    ``max_sets`` returned snapshots, so its footprint stays within the in-flight bound.
+    instead of a page-fault storm, which dominates the first save's stall (bench/RESULTS.md,
+    stall.py: first save against later saves). The pool keeps at most ``max_sets`` returned
+    snapshots, so its footprint stays within the in-flight bound.
     Thread-safe: the writer thread returns buffers while the training thread takes them.
     """
 

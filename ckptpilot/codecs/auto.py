@@ -1,26 +1,26 @@
 """The ``auto`` codec: per tensor, the codec that makes encode + transfer fastest.
 
 Owns: the choice among ``raw``, ``byteplane``, ``zstd`` (integer and bool tensors: on floats
-byte planes were measured both faster and smaller), ``prefix_index`` (16/32-bit floats) and
-``xor_delta`` (when a fitting base is given), from timed trials on samples. The byte-plane
-candidates code the planes that pay at the given bandwidth (``paying_plane_ratio``). Must not:
-write its own blob format (the blob is the chosen codec's, whose id is in the header, so
-decoding dispatches on it) or remember choices between calls.
+byte planes are both faster and smaller, bench/RESULTS.md, codecs.py), ``prefix_index``
+(16/32-bit floats) and ``xor_delta`` (when a fitting base is given), from timed trials on
+samples. The byte-plane candidates code the planes that pay at the given bandwidth
+(``paying_plane_ratio``). Must not: write its own blob format (the blob is the chosen codec's,
+whose id is in the header, so decoding dispatches on it) or remember choices between calls.
 
 Cost model, per candidate: ``encode seconds + encoded bytes / bandwidth_bytes_per_s``, or with
 ``overlap=True`` (the container encodes tensor i while tensor i-1 is being written) the larger
 of the two: a codec then pays only if it encodes faster than the tier takes raw bytes; the
 encode is then credited with two cores fewer (the writer hashes and writes, another thread
-hashes the raw bytes, at the same time). A
-tensor whose raw transfer takes under ``MIN_TRIAL_SECONDS`` (1 ms) is sent raw untried: no codec
-could save more than that, and the trials would cost more. A tensor of at most ``sample_bytes``
-is encoded whole by every candidate (best of two timed runs) and the winner's blob is returned
-as is. A bigger one is tried on 8 evenly spaced stripes of ``sample_bytes / 4`` and of
-``sample_bytes`` (best of two runs each): the difference of the two times gives the per-byte
-cost without the per-call overheads, which is scaled to the rest of the tensor and divided by
-the worker threads the full encode will use; the size is scaled from the bigger sample.
-``raw`` is a candidate, so the pick is never slower than ``raw`` on this estimate. The trials
-cost a few milliseconds per big tensor; a caller that saves the same tensors again and again
+hashes the raw bytes, at the same time). A tensor whose raw transfer takes under
+``MIN_TRIAL_SECONDS`` (1 ms) is sent raw untried: no codec could save more than that, and the
+trials would cost more. A tensor of at most ``sample_bytes`` is encoded whole by every candidate
+(best of two timed runs) and the winner's blob is returned as is. A bigger one is tried on 8
+evenly spaced stripes of ``sample_bytes / 4`` and of ``sample_bytes`` (best of two runs each):
+the difference of the two times gives the per-byte cost without the per-call overheads, which is
+scaled to the rest of the tensor and divided by the worker threads the full encode will use; the
+size is scaled from the bigger sample. ``raw`` is a candidate, so the pick is never slower than
+``raw`` on this estimate. The trials encode at most 2.5 ``sample_bytes`` per candidate whatever
+the tensor's size, a fixed cost per call; a caller that saves the same tensors again and again
 may keep ``choose``'s answer.
 Timing makes the choice machine- and load-dependent; every choice decodes the same.
 """

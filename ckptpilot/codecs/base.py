@@ -71,8 +71,8 @@ def gather(flat: np.ndarray, itemsize: int, lo: int, width: int, out: np.ndarray
     """``out[...] = lane(flat, itemsize, lo, width)``, into the contiguous ``out``.
 
     For 2- and 4-byte elements as a shift of the whole words with a truncating store: NumPy
-    vectorises that (SIMD), 2-5x faster than its byte-strided copy (measured per 1 Mi elements:
-    0.05-0.14 ms against 0.25 ms).
+    vectorises that (SIMD) and not its byte-strided copy, and the lane split sits on the
+    encode path of every plane (bench/RESULTS.md, codecs.py, interpretation).
     """
     if itemsize in (2, 4):
         words = flat.view(f"<u{itemsize}")
@@ -94,8 +94,9 @@ def scatter(
     For 2- and 4-byte elements the first lane is stored zero-extended over whole words, XOR-ed
     with ``xor_with`` (an array like ``flat``) when given, and the others are XOR-ed in,
     shifted (their bits are zero until then, so XOR sets them, on top of the base's):
-    vectorised, ~2x faster than byte-strided stores. Other widths store the lanes strided and
-    apply ``xor_with`` with the last one.
+    vectorised like :func:`gather`, where byte-strided stores are not (bench/RESULTS.md,
+    "Figures formerly quoted in code"). Other widths store the lanes strided and apply
+    ``xor_with`` with the last one.
     """
     if itemsize in (2, 4):
         words = flat.view(f"<u{itemsize}")

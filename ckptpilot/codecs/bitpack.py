@@ -10,7 +10,8 @@ bits, split into fields of 4, 2 and 1 bits (the binary digits of ``h``, most sig
 field first), one part per field width ``b``: ``8 // b`` fields per byte, most significant
 first, padded to whole blocks of 8 elements (``b`` bytes per block). Every element costs
 exactly ``width`` bits, plus the padding of one 8-element block per part. Fields of 1, 2 and 4
-bits pack with byte arithmetic (3, 5, 6 or 7-bit fields would need 64-bit words: 4-8x slower).
+bits pack with byte arithmetic; 3, 5, 6 or 7-bit fields would straddle bytes and need 64-bit
+word arithmetic, several times slower (bench/RESULTS.md, "Figures formerly quoted in code").
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ and crc32 (u32). The header checksum covers the magic, version, JSON and the sec
 and each section carries its own checksum, so any flipped bit or truncation is detected before
 a tensor is built. Codecs split their payload into several sections (per chunk, per plane) so
 that checksums are computed and verified by worker threads next to the data they belong to.
-XXH3 (~30 GB/s here) rather than crc32 (~6 GB/s, a sixth of byteplane's encode time) or a
-cryptographic hash: the container adds a SHA256 per tensor.
+XXH3 rather than crc32: a section checksum must cost a small fraction of the encode time, and
+crc32 costs a sizeable share of byteplane's (bench/RESULTS.md, "Figures formerly quoted in
+code"). Not a cryptographic hash: the container adds a SHA256 per tensor.
 
 Checksums catch accidents, not a hostile or buggy writer: a header can be forged with valid
 checksums. So nothing a header says is trusted for an allocation: shapes are capped

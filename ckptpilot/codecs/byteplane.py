@@ -55,6 +55,8 @@ SAMPLE_STRIPES = 16
 MIN_PLANE_RATIO = 1.2
 MATCH_GAIN = 1.25
 PLANE_BYTES_PER_S = 1.2e9
+"""Encode speed of a plane byte with the literals profile on one core, taken from near the low
+end of that profile's column in the per-plane table of bench/RESULTS.md (codecs.py)."""
 RAW, ZSTD = "raw", "zstd"
 
 Segment = tuple[int, int, str]
@@ -79,9 +81,10 @@ def paying_plane_ratio(bandwidth_bytes_per_s: float) -> float:
     """The smallest plane ratio worth coding for a tier of this bandwidth.
 
     Coding a plane of B bytes to ratio r saves B (1 - 1/r) / bandwidth of transfer and costs
-    B / ``PLANE_BYTES_PER_S`` (the literals profile, 1.1-1.7 GB/s measured) of encoding: it
-    pays when r > 1 / (1 - bandwidth / PLANE_BYTES_PER_S). Planes that take the match profile
-    (0.4-0.5 GB/s) cost more than this assumes; they are the compressible ones (ratio ≫ 1.2).
+    B / ``PLANE_BYTES_PER_S`` (the literals profile) of encoding: it pays when
+    r > 1 / (1 - bandwidth / PLANE_BYTES_PER_S). Planes that take the match profile cost more
+    than this assumes (it is the slower one: bench/RESULTS.md, codecs.py, per-plane table);
+    they are the compressible ones (ratio ≫ 1.2), which pay anyway.
     Capped at ``MIN_PLANE_RATIO``: an exponent plane (ratio 2-7) is always worth its time next
     to the rest of the tensor, and whether coding pays at all is ``auto``'s whole-tensor
     decision; floored at 1.01.
@@ -288,10 +291,11 @@ class PlaneCodec(LevelThreadsCodec):
 
     ``min_plane_ratio`` (>= 1): a plane is coded only when its sample shrinks by more than this.
     The default (1.2) codes the sign/exponent planes (ratio 2-7 on trained tensors) and leaves
-    the mantissa-like planes of deltas (1.09-1.12) raw: coding those costs 15-35 % of the
-    encode speed and nearly half the decode speed to save 2-3 % of the bytes, which pays only
-    below ~100-130 MB/s (see :func:`paying_plane_ratio`, which ``auto`` and the pulse writer
-    use to lower it for slow tiers; the peer tier keeps the default).
+    the mantissa-like planes of deltas (1.09-1.12) raw: coding those slows encode and decode far
+    more than the few percent of bytes they save is worth on a fast tier (bench/RESULTS.md,
+    codecs.py: the ``xor_delta`` rows against ``xor_delta@50MB/s``). Only slow tiers gain, and
+    for them :func:`paying_plane_ratio` gives the threshold, which ``auto`` and the pulse writer
+    use to lower it; the peer tier keeps the default.
     """
 
     def __init__(

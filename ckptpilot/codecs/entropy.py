@@ -5,24 +5,25 @@ literals-only profile for planes without repeated strings, decoding a zstd frame
 caller's buffer that it must fill exactly, and refusing (:func:`check_payload`) coded
 sections that cannot decode to the size the blob's header gives, before it is allocated.
 Must not: decide what to compress (the codecs do) or share zstd contexts between calls (they
-are not thread-safe; one is made per call, ~10 µs).
+are not thread-safe; one is made per call, a cost small next to the coding itself).
 
 Byte planes of float tensors carry their redundancy in the symbol distribution, not in repeated
 strings, so zstd gains from Huffman-coding literals and loses time hunting matches. Two profiles:
 
 - ``compressor(1)``, the *match* profile: the fast strategy with a tiny hash table (hash_log 6),
-  min_match 7 and target_length 0. Measured on 16 MiB exponent planes: 1.0-1.2 GB/s instead of
-  0.41 GB/s for zstd's level 1, and a better ratio (2.94 vs 2.71 on weights). It still walks
-  every position for matches, and on planes dominated by one symbol (the top plane of an XOR
-  delta, Adam's exp_avg_sq) it finds short ones and runs at 0.43-0.53 GB/s.
+  min_match 7 and target_length 0: on most exponent planes it is both faster than zstd's
+  level 1 and smaller (bench/RESULTS.md, codecs.py, per-plane table: "matches" against
+  "zstd-1"). It still walks every position for matches, and on planes dominated by one symbol
+  (the top plane of an XOR delta, Adam's exp_avg_sq) it finds short ones and slows down to a
+  fraction of that speed.
 - :func:`literal_compressor`, the *literals* profile: matches practically never searched
   (target_length at its maximum) and Huffman coding of literals forced on. zstd switches
   literal coding off for exactly this setting (its negative levels), so it sets the experimental
   ``ZSTD_c_literalCompressionMode``, which python-zstandard does not expose; it comes from
-  ``compression.zstd`` (Python 3.14) or its backport ``backports.zstd``. Measured on the planes
-  of a real AdamW run (bench/RESULTS.md): 1.1-1.7 GB/s encode and 1.7-3.4 GB/s decode per plane
-  byte; on the one-symbol planes 2.2-2.9x faster than the match profile at a ratio 10 % lower
-  to 13 % higher.
+  ``compression.zstd`` (Python 3.14) or its backport ``backports.zstd``. On the one-symbol
+  planes it runs much faster than the match profile at about the same ratio, and on
+  the other coded planes no slower (bench/RESULTS.md, codecs.py: the per-plane table and its
+  interpretation).
 
 Both write plain zstd frames: decoding needs neither profile, so every blob ever written decodes
 with python-zstandard. Levels 2-22 are zstd's standard levels.

@@ -10,9 +10,9 @@ are kept exactly. ``entropy=False`` is the seed's method: fixed-width indexes of
 ``ceil(log2(#distinct))`` bits. ``entropy=True`` (the default) zstd-codes the index stream as
 bytes (uint16 indexes as a low-byte and a high-byte plane) and comes close to its entropy.
 Values are cut into ``groups`` independent, byte-aligned groups coded on worker threads.
-The low bits are bit-packed (``bitpack``): on Adam-like moments they are noise, so packing is
-as small as byte-plane coding them (measured 2.5000 vs 2.5002 bytes per value at P = 12) and
-1.4-2.5x cheaper.
+The low bits are bit-packed (``bitpack``): on Adam-like moments they are noise, which no
+entropy coder shrinks, so packing is as small as byte-plane coding them and cheaper
+(bench/RESULTS.md, "Figures formerly quoted in code").
 
 Header params: ``{"mode": "table", "word_bits": 32|16, "prefix_bits": P, "entropy": bool,
 "distinct": d, "group": values per group (a multiple of 8)}``. Sections: the table (``d``

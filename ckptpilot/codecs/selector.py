@@ -31,6 +31,8 @@ from ckptpilot.codecs.registry import get_codec
 
 FAMILIES = ("weights", "optimizer", "other")
 HASH_BYTES_PER_S = 1.9e9
+"""SHA256 bytes per second on one core: the price of the container's extra hashing pass. From
+the SHA256 reference line of bench/RESULTS.md (peer.py), rounded down."""
 
 
 def family(name: str) -> str:
@@ -102,8 +104,8 @@ class CodecSelector:
         """True when writing these tensors as they are beats the container: every tensor has
         a remembered, current choice (no base given), and the transfer time the codecs would
         save is less than the container's extra pass (it hashes each raw tensor on top of the
-        file; measured ~1.9 GB/s per core here, ``HASH_BYTES_PER_S``). A codec that merely
-        breaks even per tensor does not pay for that pass."""
+        file, at ``HASH_BYTES_PER_S``). A codec that merely breaks even per tensor does not pay
+        for that pass."""
         saved = 0.0
         total = 0
         with self._lock:

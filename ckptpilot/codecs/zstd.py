@@ -1,8 +1,9 @@
 """The ``zstd`` codec: the tensor's bytes through one zstd frame (the general-purpose baseline).
 
 Owns: whole-buffer zstd at a chosen level. Must not: look at the element structure (that is
-``byteplane``). On float tensors it is slower than the disk it saves writes to (issue 5:
-0.6-1.3 GB/s per core); ``auto`` picks it only where it pays, e.g. for small-integer tensors.
+``byteplane``). On float tensors ``byteplane`` is both faster and smaller (bench/RESULTS.md,
+codecs.py: the ``zstd`` rows), so ``auto`` picks this codec only where it pays, e.g. for
+small-integer tensors.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ Storage decisions:
   concurrent writers. Taking the write lock at BEGIN makes writers queue instead.
 - **Writers queue by polling, not by SQLite's busy handler.** The built-in handler backs off
   to 100 ms sleeps, so a process that commits in a loop keeps re-taking the lock while the
-  others sleep: measured with five looping writers, three committed once in five seconds and
-  would have hit the 30 s timeout under sustained load. The write lock is therefore requested
+  others sleep, and under sustained load they starve until their busy timeout expires
+  (bench/RESULTS.md, "Figures formerly quoted in code"). The write lock is therefore requested
   with the busy timeout set to zero and retried after a short random sleep (at most
   ``_LOCK_POLL_SECONDS``) until ``busy_timeout_seconds`` have passed; every other statement
-  keeps SQLite's own 30 s busy timeout.
+  keeps SQLite's own busy handler with that same timeout.
 - **SQLAlchemy Core, not the ORM.** The API returns frozen dataclasses and every method is
   one short transaction; an ORM session's identity map and lazy state would have to be
   converted away at every return and would tempt callers to hold sessions across threads.
