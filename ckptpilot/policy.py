@@ -19,6 +19,11 @@ Strings, lists and the file itself are bounded for the same reason. The peer tie
 count is checked against its shard count, and the remote URL's fsspec protocol against the
 installed backends, because both would otherwise fail only when the pilot starts.
 
+Long because the schema is one document: every section of the policy YAML is a model here
+with its bounds and its error messages, and users and the README read it as one file; split,
+the cross-section checks (endpoints against shards, codecs against tiers) would import across
+modules for no gain.
+
 The YAML reader refuses what PyYAML would turn into another exception or an unbounded cost:
 bytes that are not UTF-8, integer literals too long for ``int`` (Python's digit limit),
 nesting deep enough to exhaust the recursion limit, aliases that expand to a huge or

@@ -6,8 +6,9 @@ order, format versions 1 and 2) are ``ckptpilot.format.heartbeat_ring``'s. It kn
 about what a record means (the pilot fills it, the failure ledger reads it) and never pickles.
 
 Threads: :meth:`HeartbeatWriter.write` runs on the training thread every heartbeat step and
-only copies bytes into the shared mapping (a few µs); a background thread of the writer makes
-them durable (``fdatasync``) about every ``flush_seconds``. Because the mapping is
+only copies bytes into the shared mapping (no syscall; its cost is in bench/RESULTS.md,
+scheduler.py); a background thread of the writer makes them durable (``fdatasync``) about
+every ``flush_seconds``. Because the mapping is
 shared, a record is in the page cache as soon as ``write`` returns, so it survives a SIGKILL of
 the process even before the flush; the flush is what makes it survive a power loss.
 :func:`read_latest` and :func:`read_all` may run in any process, while a writer is live or

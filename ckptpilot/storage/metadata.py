@@ -1,7 +1,9 @@
 """The metadata store: one SQLite row per checkpoint per rank per tier, plus an audit trail.
 
 This module owns the database file, its schema and migrations, the status life cycle of a
-checkpoint row, the hash chain between rows, and the audit log (SPEC §7). It never touches
+checkpoint row, the hash chain between rows, and the audit log (SPEC §7). Long because every
+transaction lives here: the locking discipline below (BEGIN IMMEDIATE, polled write lock,
+synchronous=FULL) holds only if no statement runs anywhere else. It never touches
 checkpoint bytes, never decides what to keep (``ckptpilot.retention`` does) and never decides
 which checkpoint to load (the pilot does). Callers get frozen :class:`CheckpointRow` /
 :class:`AuditEntry` values; no SQLAlchemy object or session escapes this module.

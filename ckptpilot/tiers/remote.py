@@ -6,10 +6,8 @@ name in one rename (on a local file system an atomic ``rename(2)`` followed by a
 parent; on object stores fsspec's ``mv``, where the manifest-written-last rule of the archive
 is what makes a half-published checkpoint detectable).
 
-:class:`RemoteCheckpointTier` is one rank's view of it as a
-:class:`~ckptpilot.tiers.base.CheckpointTier`: an image is an organ archive
-(``storage.archive``: safetensors + state + manifest, the plain path; codecs are the
-caller's business), published under ``step_{step}_rank_{rank}`` in one rename.
+One rank's view of it as a :class:`~ckptpilot.tiers.base.CheckpointTier` is
+``tiers.archive.RemoteCheckpointTier`` (it needs ``storage.archive``, which needs this module).
 
 Threading: one writer thread and any number of readers; methods hold no shared state.
 """
@@ -26,10 +24,6 @@ from typing import IO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-
-from ckptpilot.errors import IntegrityError, NoCheckpointError
-from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
-from ckptpilot.vocab import Level, RetentionClass, Tier
 
 log = logging.getLogger(__name__)
 
@@ -160,69 +154,6 @@ class RemoteTier:
 
     def remove(self, relpath: str) -> None:
         self.fs.rm(self.path(relpath), recursive=True)
-
-
-class RemoteCheckpointTier:
-    """The images of one rank on a :class:`RemoteTier` (see the module docstring).
-
-    ``storage.archive`` imports this module for :class:`RemoteTier`, so the archive
-    functions are imported where they are called.
-    """
-
-    kind = Tier.REMOTE
-    capabilities = TierCapabilities(durable=True, survives_node_loss=True, folds_deltas=False,
-                                    speed=Tier.REMOTE.speed, keeps_older=True)
-
-    def __init__(self, remote: RemoteTier, *, rank: int) -> None:
-        self.remote = remote
-        self.rank = rank
-
-    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
-        """Stage the archive (manifest last), then publish it in one rename; an archive of
-        the same step already there is set aside (``*.replaced-*``). A failure before the
-        rename leaves staging debris that no listing takes for a checkpoint."""
-        from ckptpilot.storage.archive import stage_organ
-
-        snapshot = image.snapshot()
-        staged = stage_organ(self.remote, snapshot, level=image.level.value,
-                             reason=image.reason, retention_class=image.retention_class.value,
-                             score=image.score)
-        self.remote.publish(staged.staging, staged.name)
-        return PutReceipt(image.step, self.remote.path(staged.name), staged.bytes)
-
-    def get(self, step: int) -> CheckpointImage:
-        """The archive, every file checked against its manifest, copied into one arena."""
-        from ckptpilot.storage.archive import checkpoint_name, read_organ
-
-        name = checkpoint_name(step, self.rank)
-        if not self.remote.exists(name):
-            raise NoCheckpointError(
-                f"{self.remote.path(name)}: step {step} of rank {self.rank} is not on the "
-                f"remote tier; `ckptpilot ls` lists the steps it holds")
-        try:
-            loaded = read_organ(self.remote, name)
-        except IntegrityError as e:
-            raise IntegrityError(f"step {step}: {e.key}", e.expected, e.actual) from e
-        manifest = loaded.manifest
-        return CheckpointImage.copied(
-            step, loaded.meta, loaded.tensors, level=Level(manifest["level"]),
-            reason=manifest["reason"], retention_class=RetentionClass(manifest["retention_class"]),
-            score=manifest["score"])
-
-    def steps(self) -> list[int]:
-        from ckptpilot.storage.archive import list_archives
-
-        return sorted(step for step, _ in list_archives(self.remote, self.rank).published)
-
-    def discard(self, step: int) -> None:
-        from ckptpilot.storage.archive import checkpoint_name
-
-        name = checkpoint_name(step, self.rank)
-        if self.remote.exists(name):
-            self.remote.remove(name)
-
-    def close(self) -> None:
-        """Nothing to release: every call opens and closes its own files."""
 
 
 class HashingWriter:

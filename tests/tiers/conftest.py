@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: peerdaem
 from peerdaemons import Daemon, revive, start, stop_all
 
 from ckptpilot.state import HostBufferPool
+from ckptpilot.tiers.archive import RemoteCheckpointTier
 from ckptpilot.tiers.base import CheckpointTier, TierCapabilities
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable
 from ckptpilot.tiers.peer.client import PeerCheckpointTier
 from ckptpilot.tiers.peer.protocol import Op, call
-from ckptpilot.tiers.remote import RemoteCheckpointTier, RemoteTier
+from ckptpilot.tiers.remote import RemoteTier
 
 PEERS = 3
 

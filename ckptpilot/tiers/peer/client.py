@@ -18,6 +18,10 @@ of the new checkpoint then drop the run's older states (after their folds succee
 peers drop stale copies of the run. A put that fails half-way is never committed, so the
 previous committed checkpoint stays recoverable.
 
+Long because put, fetch, list, drop, the lease and placement share one connection pool and one
+stripe bookkeeping (which peer holds which shard of which checkpoint, which base each delta
+needs); the wire format, parity maths and placement policy already live in their own modules.
+
 Health registry (optional, ``registry="host:port"``): placement never chooses a peer whose
 node the registry has down or draining, and a peer that refuses, resets or times out a
 transfer is marked down there, so that other clients avoid it too. Registry trouble is logged
