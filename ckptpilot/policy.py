@@ -102,6 +102,9 @@ _MAX_STEPS = 10**9
 """Intervals counted in optimizer steps."""
 _MAX_SIGNAL_WINDOW = 1000
 """Windows of the scheduler's signals: the training thread keeps each one sorted, per step."""
+_MAX_SIGNAL_SPAN = 1000
+"""Spans of the scheduler's signal EWMAs: one that needs longer to follow a change is no
+signal (the state is a few floats whatever the span)."""
 _MAX_COUNT = 100_000
 """Counts of steps, probes or checkpoints (``organ_every``, ``*_keep``)."""
 _MAX_SECONDS = 86_400.0
@@ -294,16 +297,19 @@ class SchedulerWeights(_Section):
 class LossSignalPolicy(_Section):
     """Loss-change signal: robust z-score of the short-window log10-loss slope (SPEC §4.1).
 
-    ``window``: losses whose median the new one is compared with (the slope's window, steps);
-    ``history``: slopes whose median and MAD judge the new slope; a jump grows linearly from
-    0 at |z| = ``z_low`` to 1 at ``z_high``; drift is a two-sided CUSUM of z minus
-    ``drift_allowance`` per step, graded from 0 at ``drift_low`` to 1 at ``drift_high``; a
-    slope within ``slope_threshold`` decades per step of its median never counts (a relative
-    change: it keeps a flat loss quiet).
+    Spans are those of exponentially weighted moving averages (weight 2 / (span + 1), the
+    center of mass of a plain mean of ``span`` values). ``level_span_steps``: the level the
+    new loss is compared with (the slope's window); ``center_span_steps``: the slope's own
+    center; ``spread_span_steps``: the spread of its step-to-step changes, the noise that
+    judges the new slope. A jump grows linearly from 0 at |z| = ``z_low`` to 1 at ``z_high``;
+    drift is a two-sided CUSUM of z minus ``drift_allowance`` per step, graded from 0 at
+    ``drift_low`` to 1 at ``drift_high``; a slope within ``slope_threshold`` decades per step
+    of its center never counts (a relative change: it keeps a flat loss quiet).
     """
 
-    window: int = Field(8, ge=2, le=_MAX_SIGNAL_WINDOW)
-    history: int = Field(32, ge=4, le=_MAX_SIGNAL_WINDOW)
+    level_span_steps: int = Field(14, ge=2, le=_MAX_SIGNAL_SPAN)
+    center_span_steps: int = Field(24, ge=2, le=_MAX_SIGNAL_SPAN)
+    spread_span_steps: int = Field(32, ge=4, le=_MAX_SIGNAL_SPAN)
     z_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
     z_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
     drift_allowance: float = Field(1.5, ge=0, le=_MAX_RATIO)
@@ -322,13 +328,15 @@ class LossSignalPolicy(_Section):
 class GradSignalPolicy(_Section):
     """Gradient-activity signal: robust deviation and growth of log grad norm (SPEC §4.2).
 
-    Probes every ``probe_every`` steps; ``window`` probes give the median and MAD; deviation
-    grows from 0 at z = ``z_low`` to 1 at ``z_high``; growth is a CUSUM of z minus
-    ``growth_allowance`` per probe, graded from 0 at ``growth_low`` to 1 at ``growth_high``.
+    Probes every ``probe_every`` steps; ``span_probes`` is the span of the EWMAs of log10 grad
+    norm and of its absolute deviation (its center and spread); deviation grows from 0 at
+    z = ``z_low`` to 1 at ``z_high``; growth is a CUSUM of z minus ``growth_allowance`` per
+    probe, graded from 0 at ``growth_low`` to 1 at ``growth_high``; a norm within
+    ``deadband_decades`` of its center never counts.
     """
 
     probe_every: int = Field(10, ge=1, le=_MAX_STEPS)
-    window: int = Field(32, ge=4, le=_MAX_SIGNAL_WINDOW)
+    span_probes: int = Field(32, ge=4, le=_MAX_SIGNAL_SPAN)
     z_low: float = Field(5.0, ge=0, le=_MAX_RATIO)
     z_high: float = Field(10.0, gt=0, le=_MAX_RATIO)
     growth_allowance: float = Field(1.5, ge=0, le=_MAX_RATIO)

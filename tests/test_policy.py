@@ -68,7 +68,9 @@ def test_reference_values() -> None:
     assert (policy.scheduler.min_interval, policy.scheduler.max_interval) == (10, 500)
     assert policy.scheduler.weights.grad == 0.35
     assert (policy.scheduler.grad.z_low, policy.scheduler.grad.z_high) == (5.0, 10.0)
-    assert (policy.scheduler.loss.window, policy.scheduler.loss.history) == (8, 32)
+    loss = policy.scheduler.loss
+    assert (loss.level_span_steps, loss.center_span_steps, loss.spread_span_steps) == (14, 24, 32)
+    assert policy.scheduler.grad.span_probes == 32
     assert policy.scheduler.system.hazard_window_steps == 100
     assert policy.scheduler.system.nvml == "auto"
     assert policy.levels.heartbeat.every == 1
@@ -151,13 +153,13 @@ def test_wrong_types_name_the_key(tmp_path: Path, text: str, key: str) -> None:
         ("scheduler:\n  system: {alarm_signal: 0}", "scheduler.system.alarm_signal"),
         ("scheduler:\n  system: {alarm_signal: 1.2}", "scheduler.system.alarm_signal"),
         ("scheduler:\n  loss: {z_high: 0}", "scheduler.loss.z_high"),
-        ("scheduler:\n  loss: {history: 3}", "scheduler.loss.history"),
+        ("scheduler:\n  loss: {spread_span_steps: 3}", "scheduler.loss.spread_span_steps"),
         ("scheduler:\n  loss: {slope_threshold: -0.1}", "scheduler.loss.slope_threshold"),
-        ("scheduler:\n  grad: {window: 3}", "scheduler.grad.window"),
+        ("scheduler:\n  grad: {span_probes: 3}", "scheduler.grad.span_probes"),
         ("scheduler:\n  grad: {growth_allowance: -1}", "scheduler.grad.growth_allowance"),
         ("scheduler:\n  system: {hazard_window_steps: -1}",
          "scheduler.system.hazard_window_steps"),
-        ("scheduler:\n  loss: {window: 1}", "scheduler.loss.window"),
+        ("scheduler:\n  loss: {level_span_steps: 1}", "scheduler.loss.level_span_steps"),
         ("scheduler:\n  grad: {probe_every: 0}", "scheduler.grad.probe_every"),
         ("scheduler:\n  system: {io_latency_ms: 0}", "scheduler.system.io_latency_ms"),
         ("levels:\n  heartbeat: {every: 0}", "levels.heartbeat.every"),
@@ -482,7 +484,7 @@ def blamed(key: str) -> str:
 
 def test_the_walk_reaches_every_section() -> None:
     assert {
-        "scheduler.grad.window",
+        "scheduler.grad.span_probes",
         "scheduler.weights.loss",
         "levels.heartbeat.every",
         "codecs.threads",
@@ -544,8 +546,9 @@ def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
         scheduler:
           base_interval: 1000000
           max_interval: 1000000
-          loss: {window: 1000, history: 1000, slope_threshold: 1000.0}
-          grad: {window: 1000, probe_every: 1000}
+          loss: {level_span_steps: 1000, center_span_steps: 1000, spread_span_steps: 1000,
+                 slope_threshold: 1000.0}
+          grad: {span_probes: 1000, probe_every: 1000}
           system: {sustained_seconds: 3600, hazard_window_steps: 1000000}
         codecs: {threads: 256}
         tiers:
@@ -557,7 +560,7 @@ def test_the_bounds_admit_what_a_large_run_needs(tmp_path: Path) -> None:
         async: {max_pending: 8}
         """,
     )
-    assert policy.scheduler.grad.window == 1000
+    assert policy.scheduler.grad.span_probes == 1000
     assert policy.tiers.memory.max_bytes == 2 * 2**40
     assert policy.tiers.peer.timeout_seconds == 600
 
@@ -588,15 +591,17 @@ def test_the_new_signal_keys_load_from_yaml(tmp_path: Path) -> None:
         tmp_path,
         """\
         scheduler:
-          loss: {window: 4, history: 16, z_low: 3, z_high: 6.5, slope_threshold: 0,
+          loss: {level_span_steps: 4, center_span_steps: 6, spread_span_steps: 16, z_low: 3,
+                 z_high: 6.5, slope_threshold: 0,
                  drift_allowance: 1, drift_low: 2, drift_high: 4}
-          grad: {window: 16, z_low: 2, z_high: 4, growth_allowance: 0.5, growth_low: 1,
+          grad: {span_probes: 16, z_low: 2, z_high: 4, growth_allowance: 0.5, growth_low: 1,
                  growth_high: 2}
           system: {hazard_window_steps: 0}
         """,
     )
     loss, grad = policy.scheduler.loss, policy.scheduler.grad
-    assert (loss.window, loss.history, loss.z_low, loss.z_high) == (4, 16, 3.0, 6.5)
+    assert (loss.level_span_steps, loss.center_span_steps, loss.spread_span_steps) == (4, 6, 16)
+    assert (loss.z_low, loss.z_high, grad.span_probes) == (3.0, 6.5, 16)
     assert (loss.drift_allowance, loss.drift_low, loss.drift_high) == (1.0, 2.0, 4.0)
     assert (grad.growth_allowance, grad.growth_low, grad.growth_high) == (0.5, 1.0, 2.0)
     assert policy.scheduler.system.hazard_window_steps == 0
@@ -605,12 +610,12 @@ def test_the_new_signal_keys_load_from_yaml(tmp_path: Path) -> None:
 # --- the cases of the issue: each used to escape as another exception or fail later --------
 
 
-@pytest.mark.parametrize("window", [100_000_000_000, 200_000_000])
-def test_a_grad_window_that_would_exhaust_memory_is_refused(tmp_path: Path, window: int) -> None:
-    # The training thread keeps the window sorted, per probe: 1000 is the most it may hold.
+@pytest.mark.parametrize("span", [100_000_000_000, 200_000_000])
+def test_a_grad_span_beyond_its_bound_is_refused(tmp_path: Path, span: int) -> None:
+    # An EWMA that needs more than 1000 probes to follow a change is no signal.
     with pytest.raises(PolicyError, match="less than or equal to 1000 ") as info:
-        load_text(tmp_path, f"scheduler:\n  grad: {{window: {window}}}")
-    assert info.value.key == "scheduler.grad.window"
+        load_text(tmp_path, f"scheduler:\n  grad: {{span_probes: {span}}}")
+    assert info.value.key == "scheduler.grad.span_probes"
 
 
 def test_a_timeout_that_overflows_sockets_is_refused(tmp_path: Path) -> None:

@@ -261,11 +261,12 @@ class AdaptiveCheckpointScheduler:
             or health_signal >= PRECURSOR_SIGNAL
         )
         hazard = self._hazard.update(step, precursor)
+        hard_errors = self._hard_errors_reading - self._hard_errors_acted_on
         return {
             "loss": loss_signal,
             "grad": grad_signal,
             "system": hazard if hazard > health_signal else health_signal,
-            "hard_errors": float(self._hard_errors_reading - self._hard_errors_acted_on),
+            "hard_errors": float(hard_errors) if hard_errors else 0.0,
             "non_finite": 0.0 if problem is None else 1.0,
         }
 

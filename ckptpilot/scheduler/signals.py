@@ -2,59 +2,81 @@
 
 This module owns :class:`LossChange`, :class:`GradActivity` and :class:`Hazard`: small stateful
 trackers that turn a stream of losses, gradient-norm probes and precursor events into graded
-signals in [0, 1]. Each keeps O(window) state in fixed-size rings, so memory never grows with
-the run; each step updates small sorted windows by bisection, with no sort.
+signals in [0, 1]. Each keeps a handful of floats, and a step costs a handful of float
+operations (no window, no sort): they run on the training thread at every step.
 
 Why the signals are scale-free: both trackers work on the log of their input and judge each
-new value by a robust z-score against the tracker's *own* recent history (median and MAD of a
-rolling window). Multiplying every loss (or every grad norm) by any constant c shifts all logs
-by log10(c); medians shift with them, deviations and MADs do not, so every z-score, hence every
-signal, is unchanged. One policy therefore fits a
-loss of 8 and of 0.01, a grad norm of 0.3 and of 300; the only absolute constant left,
-``loss.slope_threshold``, is in decades per step, a relative change, and only keeps rounding
-noise on a perfectly flat loss (MAD 0) quiet.
+new value by a robust z-score against the tracker's *own* recent history: a center and a
+spread, exponentially weighted moving averages (EWMA) of the value and of its absolute
+deviation. Multiplying every loss (or every grad norm) by any constant c shifts all logs by
+log10(c); a level or center, started from the first value and moved by fractions of the
+difference to each new one, shifts with them, while differences, spreads and z-scores do not,
+so every signal is unchanged. One policy therefore fits a loss of 8 and of 0.01, a grad norm
+of 0.3 and of 300; the only absolute constants left, ``loss.slope_threshold`` (decades per
+step, a relative change) and ``grad.deadband_decades``, only keep rounding noise on a
+perfectly flat value (spread 0) quiet.
+
+Why robust: before a value updates a center or a spread, its deviation is winsorised to
+±(``z_high``·σ + the dead band), so one outlier, however far out, moves the center by at most
+a fraction of ``z_high``·σ and raises the spread by a bounded factor; a lasting change moves
+both step after step and becomes the new normal.
 
 It must not do I/O, read a clock, import numpy or torch, or decide anything about saving:
 the scheduler (``adaptive.py``) combines the signals. A non-finite input (NaN, ±inf) never
-enters a window: for the loss it is divergence, the strongest signal (1.0) for that step; for
-a grad norm it is refused (``update`` returns False). Reporting either is the caller's job.
+enters an estimate: for the loss it is divergence, the strongest signal (1.0) for that step;
+for a grad norm it is refused (``update`` returns False). Reporting either is the caller's job.
 
 Threading: a tracker belongs to one thread (the training thread, through the scheduler).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from collections import deque
-from math import copysign, inf, isfinite, log10
+from math import erfc, exp, inf, isfinite, log10, pi, sqrt
 
 from ckptpilot.policy import GradSignalPolicy, LossSignalPolicy
 
 __all__ = [
-    "LOSS_EPSILON",
-    "MAD_TO_SIGMA",
+    "GRAD_EPSILON",
     "MIN_HISTORY",
     "PRECURSOR_SIGNAL",
+    "SPREAD_CLIP",
     "GradActivity",
     "Hazard",
     "LossChange",
+    "ewma_rate",
     "graded",
 ]
-
-LOSS_EPSILON = 1e-30
-"""Added before the log so that a loss of exactly 0 stays finite: x = log10(loss + 1e-30).
-
-Far below any real loss, so that it shifts no log measurably: a larger one (1e-8) would make
-a loss of 1e-6 read differently from the same run scaled up, breaking scale-freeness."""
 
 GRAD_EPSILON = 1e-30
 """Added before the log so that a grad norm of exactly 0 (a frozen model) stays finite."""
 
-MAD_TO_SIGMA = 1.4826
-"""MAD × 1.4826 estimates σ for Gaussian noise: the robust z-score reads like a plain one."""
+SPREAD_CLIP = 1.4
+"""A spread averages absolute deviations capped at this many of its own σ (plus the dead band).
+
+Capped this low, the average reads the bulk of the noise, as a median absolute deviation
+does, not its tails nor a trend that has just started: those are what the z-score must show.
+A lasting wider spread still raises it, by a factor of up to 1 + rate·(1.4/0.72 − 1) a step."""
+
+_CLIPPED_MEAN_ABS = sqrt(2.0 / pi) * (1.0 - exp(-SPREAD_CLIP**2 / 2.0)) + SPREAD_CLIP * erfc(
+    SPREAD_CLIP / sqrt(2.0)
+)
+"""E[min(|Z|, SPREAD_CLIP)] for a standard normal Z: the spread of Gaussian noise of σ = 1."""
+
+_SIGMA_PER_SPREAD = 1.0 / _CLIPPED_MEAN_ABS
+"""σ of Gaussian noise per unit of its spread."""
+
+_SPREAD_CAP = SPREAD_CLIP * _SIGMA_PER_SPREAD
+"""The cap on an absolute deviation entering a spread, per unit of that spread."""
+
+_SQRT2 = sqrt(2.0)
+
+_SLOPE_SIGMA_PER_SPREAD = _SIGMA_PER_SPREAD / _SQRT2
+"""σ of a slope per unit of the spread of its step-to-step changes: a difference of two
+independent slopes has σ·√2."""
 
 MIN_HISTORY = 8
-"""Values a window must hold (or all of it, if smaller) before a new value is judged."""
+"""Values a center and spread must have averaged (or their whole span, if shorter) before a
+value is judged against them."""
 
 PRECURSOR_SIGNAL = 0.5
 """A loss, grad or system signal at or above this is a precursor for :class:`Hazard`."""
@@ -69,119 +91,117 @@ def graded(z: float, low: float, high: float) -> float:
     return (z - low) / (high - low)
 
 
-class _Window:
-    """The last ``size`` values in arrival order (``ring``) and the same values sorted.
+def ewma_rate(span: int) -> float:
+    """The weight 2 / (span + 1) of the newest value in an EWMA of ``span`` steps.
 
-    A tracker reads the median of ``ordered`` and, through :meth:`mad`, its MAD, *then* adds
-    the new value: it is judged against the window before it. Adding is inline in the
-    trackers, three C calls, because they run on the training thread at every step::
-
-        if len(ring) == size:
-            del ordered[bisect_left(ordered, ring[0])]  # the oldest leaves
-        ring.append(value)  # a full deque drops ring[0] itself
-        insort(ordered, value)
-
-    One delete and one insert, memmoves of a few hundred bytes, no sort.
+    Its center of mass lies (span − 1) / 2 steps back, as for a plain mean of the last
+    ``span`` values: a span reads like a window of that many values.
     """
-
-    __slots__ = ("_start", "ordered", "ring", "size")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.ring: deque[float] = deque(maxlen=size)
-        self.ordered: list[float] = []
-        self._start = 0
-
-    def mad(self, middle: float) -> float:
-        """The median absolute deviation of ``ordered`` from its median ``middle``.
-
-        Without sorting the deviations. The k values nearest the median m are k neighbours
-        a[i..i+k−1] of ``ordered``, so the k-th smallest deviation is the smallest reach,
-        max(m − a[i], a[i+k−1] − m), of such a run. Moving a run right shortens its reach
-        down and lengthens its reach up, so the best run is the first one that reaches at
-        least as far up as down, or the one just before it. One value comes and one goes per
-        step, so that run moves by a rank or two: the walk starts where the last one ended,
-        O(1) Python steps on a steady window where a search takes O(log n). With an even
-        count the MAD is the mean of the k-th and the (k+1)-th smallest deviation, the
-        (k+1)-th being the nearer neighbour of the best run.
-        """
-        ordered = self.ordered
-        count = len(ordered)
-        last = count >> 1  # the last run's first rank
-        top = count - last - 1  # a run a[i..i+top] holds k = count − count // 2 values
-        start = self._start if self._start <= last else last + 1
-        while start and ordered[start + top - 1] - middle >= middle - ordered[start - 1]:
-            start -= 1
-        while start <= last and ordered[start + top] - middle < middle - ordered[start]:
-            start += 1
-        self._start = start
-        up = ordered[start + top] - middle if start <= last else inf  # a[start..]'s reach
-        down = middle - ordered[start - 1] if start else inf  # a[start − 1..]'s reach
-        if count & 1:
-            return up if up < down else down
-        if up < down:  # the best run is a[start..start+top]; a[start − 1] reaches down
-            after = ordered[start + top + 1] - middle if start + top + 1 < count else inf
-            return 0.5 * (up + (down if down < after else after))
-        before = middle - ordered[start - 2] if start > 1 else inf  # the best is a[start − 1..]
-        return 0.5 * (down + (before if before < up else up))
-
-    def z(self, deviation: float, middle: float) -> float:
-        """deviation / (1.4826·MAD), the MAD around ``middle``, the median of ``ordered``.
-
-        Infinite over a MAD of 0 (a window of mostly identical values): anything that moves
-        after a perfectly flat stretch is a change. The caller counts a deviation within its
-        floor as z = 0 without asking.
-        """
-        scale = MAD_TO_SIGMA * self.mad(middle)
-        if scale > 0.0:
-            return deviation / scale
-        return copysign(inf, deviation)
+    return 2.0 / (span + 1)
 
 
 class LossChange:
     """Regime-change detector on the log10 loss (SPEC §4.1).
 
-    Per accepted loss: x_t = log10(loss_t + 1e-30); the short-window slope
-    s_t = (x_t − median(x_{t−w}, …, x_{t−1})) / ((w + 1) / 2), in decades per step (the median
-    of the last ``w = loss.window`` values sits, for a straight line, (w + 1)/2 steps back);
-    z_t = (s_t − median(S)) / (1.4826·MAD(S)) over the last ``loss.history`` slopes S before
-    it. A deviation of the slope from its median of at most ``slope_threshold`` decades per
-    step counts as z = 0. Two parts, and the signal is the larger:
+    Per accepted loss (finite and above 0), with x_t = log10(loss_t) and the weights
+    α = 2 / (``level_span_steps`` + 1), β_m = 2 / (``center_span_steps`` + 1),
+    β_a = 2 / (``spread_span_steps`` + 1) (:func:`ewma_rate`):
+
+    * level L, an EWMA of x whose center of mass lies λ = 1/α − 1 steps back, so that
+      s_t = (x_t − L_{t−1}) / λ is the short-window slope, in decades per step;
+    * center m, an EWMA of s (weight β_m), and spread a, an EWMA of the step-to-step change
+      |s_t − s_{t−1}| (weight β_a), capped at :data:`SPREAD_CLIP` of its own σ: the noise of
+      the slope, which a slowly turning trend does not inflate. σ = a / (√2·0.63), so that z
+      reads like a plain z-score on Gaussian noise;
+    * d_t = s_t − m_{t−1}, z_t = d_t / σ_{t−1}; z = 0 when |d_t| ≤ ``slope_threshold``.
+
+    Robustness: d_t is winsorised to ±(``z_high``·σ + ``slope_threshold``) before it moves
+    the center and the level, so one outlier (a single-step spike) moves neither by more than
+    a fraction of ``z_high``·σ and the steps after it read as before. A change that lasts is
+    followed: when ``level_span_steps`` / 2 steps in a row are winsorised the same way (as a
+    rolling median would follow once half its window has changed), the level restarts at the
+    new values, x_t − λ·m.
+
+    Two parts, and the signal is the larger:
 
     * jump: :func:`graded`(|z_t|, ``z_low``, ``z_high``), one step far out of the recent
       spread, either way: a spike up, a sudden drop;
     * drift: a two-sided CUSUM, C± = clamp(C± ± z_t − ``drift_allowance``, 0,
       ``drift_high``) with z_t capped at ±``z_high``, graded between ``drift_low`` and
-      ``drift_high``. Slopes each a little off their median the same way add up: a descent
+      ``drift_high``. Slopes each a little off their center the same way add up: a descent
       that stops, a plateau that starts to fall, a run that starts climbing.
 
     A steady descent, at any rate and with noise of any size, keeps its slope near the
-    slope's own median, within its own MAD, and z changes sign often enough to keep C± under
-    ``drift_low``: quiet. A lasting new regime becomes the history within ``history`` steps
-    and the signal falls back.
+    slope's own center, within its own spread, and z changes sign often enough to keep C±
+    under ``drift_low``: quiet. A lasting new slope moves the center within about
+    ``center_span_steps`` steps and the signal falls back.
 
-    A non-finite loss is divergence: the signal is 1.0 for that step and the windows are left
-    exactly as they were; the next finite loss is judged against them again. Nothing is judged
-    until ``window`` losses and min(``history``, 8) slopes are in.
+    Warm-up: the level is the plain mean of the first ``level_span_steps`` values (it then
+    lags a steady descent by λ, as the EWMA will); the center and the spread start as plain
+    means of the next slopes; nothing is judged until ``level_span_steps`` +
+    min(``spread_span_steps``, 8) losses are in.
+
+    A non-finite loss is divergence: the signal is 1.0 for that step and the estimates are
+    left exactly as they were; the next finite loss is judged against them again.
     """
 
+    __slots__ = (
+        "_accepted",
+        "_center",
+        "_center_rate",
+        "_clipped_run",
+        "_drift",
+        "_drift_allowance",
+        "_drift_high",
+        "_drift_low",
+        "_falling",
+        "_floor",
+        "_follow",
+        "_inverse_lag",
+        "_lag",
+        "_level",
+        "_level_keep",
+        "_level_steps",
+        "_previous",
+        "_quiet",
+        "_rising",
+        "_signal",
+        "_spread",
+        "_spread_cap",
+        "_spread_rate",
+        "_warm_up",
+        "_z",
+        "_z_high",
+        "_z_low",
+    )
+
     def __init__(self, policy: LossSignalPolicy) -> None:
-        self._window = policy.window
-        self._lag = (policy.window + 1) / 2.0
+        level_rate = ewma_rate(policy.level_span_steps)
+        self._lag = 1.0 / level_rate - 1.0
+        self._inverse_lag = 1.0 / self._lag
+        self._level_keep = 1.0 - level_rate  # α·(x − L) = (1 − α)·s
+        self._center_rate = ewma_rate(policy.center_span_steps)
+        self._spread_rate = ewma_rate(policy.spread_span_steps)
+        self._spread_cap = _SPREAD_CAP
         self._z_low = policy.z_low
         self._z_high = policy.z_high
         self._floor = policy.slope_threshold
         self._drift_allowance = policy.drift_allowance
         self._drift_low = policy.drift_low
         self._drift_high = policy.drift_high
+        # |z| at or below this changes nothing while C± are 0: no drift added, no jump.
+        self._quiet = min(policy.drift_allowance, policy.z_low)
+        self._level_steps = policy.level_span_steps
+        self._follow = max(1, policy.level_span_steps // 2)
+        self._warm_up = policy.level_span_steps + min(policy.spread_span_steps, MIN_HISTORY)
+        self._level = 0.0
+        self._center = 0.0
+        self._spread = 0.0
+        self._previous = 0.0
+        self._clipped_run = 0
         self._rising = 0.0
         self._falling = 0.0
-        self._levels = _Window(policy.window)
-        # The level median is read only from a full window: its two ranks are fixed.
-        self._level_lo, self._level_hi = (policy.window - 1) // 2, policy.window // 2
-        self._slopes = _Window(policy.history)
-        # Accepted losses before a slope is judged: a full level window, then enough slopes.
-        self._warm_up = policy.window + min(policy.history, MIN_HISTORY)
+        self._drift = 0.0
         self._accepted = 0
         self._z = 0.0
         self._signal = 0.0
@@ -194,7 +214,17 @@ class LossChange:
     @property
     def drift(self) -> float:
         """The larger of the two drift CUSUMs C+ and C−, in robust σ beyond the allowance."""
-        return max(self._rising, self._falling)
+        return self._drift
+
+    @property
+    def sigma(self) -> float:
+        """The slope's noise σ that the next slope is judged against, decades per step."""
+        return self._spread * _SLOPE_SIGMA_PER_SPREAD
+
+    @property
+    def estimates(self) -> tuple[float, float, float]:
+        """(level L in log10 loss, center m of the slope, spread a), as of the last loss."""
+        return self._level, self._center, self._spread
 
     @property
     def signal(self) -> float:
@@ -220,57 +250,93 @@ class LossChange:
                     "pass a non-negative objective to observe()"
                 )
             return True
-        x = log10(value + LOSS_EPSILON)
-        accepted = self._accepted = self._accepted + 1
-        ring, ordered = self._levels.ring, self._levels.ordered
-        if accepted <= self._window:
-            ring.append(x)
-            insort(ordered, x)
-            self._signal = 0.0
+        x = log10(value)
+        if self._warm_up:  # counts down to 0: one test per step once warm
+            self._warm_up -= 1
+            self._accepted += 1
+            self._warm(x, self._accepted)
             return True
-        slope = (x - 0.5 * (ordered[self._level_lo] + ordered[self._level_hi])) / self._lag
-        del ordered[bisect_left(ordered, ring[0])]
-        ring.append(x)
-        insort(ordered, x)
-
-        slopes = self._slopes
-        ring, ordered = slopes.ring, slopes.ordered
-        if accepted <= self._warm_up:  # never fills the slope window: no delete
-            ring.append(slope)
-            insort(ordered, slope)
-            self._signal = 0.0
-            return True
-        count = len(ordered)
-        middle = 0.5 * (ordered[(count - 1) >> 1] + ordered[count >> 1])
-        deviation = slope - middle
+        level = self._level
+        center = self._center
+        slope = (x - level) * self._inverse_lag
+        deviation = slope - center
+        change = slope - self._previous
+        self._previous = slope
+        spread = self._spread
         floor = self._floor
-        z = self._z = 0.0 if -floor <= deviation <= floor else slopes.z(deviation, middle)
-        if count == slopes.size:
-            del ordered[bisect_left(ordered, ring[0])]
-        ring.append(slope)
-        insort(ordered, slope)
+        z_high = self._z_high
+        if -floor <= deviation <= floor:
+            z = 0.0
+            if self._clipped_run:
+                self._clipped_run = 0
+        else:
+            sigma = spread * _SLOPE_SIGMA_PER_SPREAD
+            z = deviation / sigma if sigma > 0.0 else (inf if deviation > 0.0 else -inf)
+            bound = z_high * sigma + floor
+            if deviation > bound or deviation < -bound:
+                deviation = self._outlier(x, z, bound)
+                level = self._level
+            elif self._clipped_run:
+                self._clipped_run = 0
+        self._z = z
+        self._level = level + self._level_keep * (center + deviation)
+        self._center = center + self._center_rate * deviation
+        size = change if change >= 0.0 else -change
+        bound = spread * self._spread_cap + floor
+        self._spread = spread + self._spread_rate * ((bound if size > bound else size) - spread)
 
         size = z if z >= 0.0 else -z
-        allowance = self._drift_allowance
-        if size <= allowance and not self._rising and not self._falling:
-            drift = 0.0  # the common, quiet step: both CUSUMs stay at 0
-        else:
-            z_high, high = self._z_high, self._drift_high
-            capped = z_high if z > z_high else -z_high if z < -z_high else z
-            rising = self._rising + capped - allowance
-            rising = 0.0 if rising < 0.0 else high if rising > high else rising
-            falling = self._falling - capped - allowance
-            falling = 0.0 if falling < 0.0 else high if falling > high else falling
-            self._rising, self._falling = rising, falling
-            drift = rising if rising > falling else falling
+        if size <= self._quiet and not self._drift:
+            if self._signal:
+                self._signal = 0.0
+            return True  # the common, quiet step: both CUSUMs stay at 0, no jump
+        allowance, high = self._drift_allowance, self._drift_high
+        capped = z_high if z > z_high else -z_high if z < -z_high else z
+        rising = self._rising + capped - allowance
+        rising = self._rising = 0.0 if rising < 0.0 else high if rising > high else rising
+        falling = self._falling - capped - allowance
+        falling = self._falling = 0.0 if falling < 0.0 else high if falling > high else falling
+        drift = self._drift = rising if rising > falling else falling
         if size <= self._z_low and drift <= self._drift_low:
             self._signal = 0.0  # no grading needed
         else:
             self._signal = max(
-                graded(size, self._z_low, self._z_high),
-                graded(drift, self._drift_low, self._drift_high),
+                graded(size, self._z_low, z_high), graded(drift, self._drift_low, high)
             )
         return True
+
+    def _warm(self, x: float, accepted: int) -> None:
+        """Warm-up: the level is the plain mean of the first ``level_span_steps`` values (it
+        then lags a steady trend by λ, as the EWMA does); the center and the spread are plain
+        means of the slopes that follow."""
+        level = self._level
+        seen = accepted - self._level_steps
+        if seen <= 0:
+            self._level = level + (x - level) / accepted
+            return
+        slope = (x - level) * self._inverse_lag
+        if seen == 1:  # the first slope has no center to deviate from, no change to measure
+            self._center = slope
+        else:
+            self._center += (slope - self._center) / seen
+            change = slope - self._previous
+            self._spread += ((change if change >= 0.0 else -change) - self._spread) / (seen - 1)
+        self._previous = slope
+        self._level = level + self._level_keep * slope
+
+    def _outlier(self, x: float, z: float, bound: float) -> float:
+        """The winsorised deviation of a slope beyond ±``bound``; after ``level_span_steps``
+        / 2 of them in a row on one side, the level restarts at x − λ·m (a lasting change)."""
+        run = self._clipped_run
+        run = (run + 1 if run > 0 else 1) if z > 0.0 else (run - 1 if run < 0 else -1)
+        clipped = bound if z > 0.0 else -bound
+        if run >= self._follow or -run >= self._follow:
+            run = 0
+            center = self._center
+            # Set so that the caller's level update lands on x − λ·m.
+            self._level = x - self._lag * center - self._level_keep * (center + clipped)
+        self._clipped_run = run
+        return clipped
 
 
 class GradActivity:
@@ -282,25 +348,46 @@ class GradActivity:
     tracker correct when a restored run starts at a step that is not a multiple of
     ``probe_every``.
 
-    Per probe: y = log10(g + 1e-30); z = (y − median(Y)) / (1.4826·MAD(Y)) over the last
-    ``grad.window`` probes Y before it, and z = 0 while y is within ``grad.deadband_decades``
-    of the median (a flat or coarsely rounded norm, MAD 0, must not read as an infinite z).
-    Two parts, and the signal is the larger:
+    Per probe, with y = log10(g + 1e-30) and β = 2 / (``grad.span_probes`` + 1): the center
+    m and spread a are EWMAs of y and of its absolute deviation; d = y − m_{t−1},
+    z = d / (√(π/2)·a_{t−1}), and z = 0 while |d| ≤ ``grad.deadband_decades`` (a flat or
+    coarsely rounded norm, spread 0, must not read as an infinite z). Then, with d winsorised
+    to c = clamp(d, ±(``z_high``·√(π/2)·a + ``deadband_decades``)), m += β·c and
+    a += β·(|c| − a). Two parts, and the signal is the larger:
 
     * deviation: :func:`graded`(z, ``z_low``, ``z_high``), a norm far above its recent
-      median. Only upward: a norm far *below* it is a batch the model already fits, common
+      center. Only upward: a norm far *below* it is a batch the model already fits, common
       late in training when the loss is near 0 on many batches, and no sign of instability;
     * growth: a one-sided CUSUM C = clamp(C + min(z, ``z_high``) − ``growth_allowance``,
       0, ``growth_high``), graded between ``growth_low`` and ``growth_high``. Probes each a
-      little above the median, none outside the band, add up: sustained growth of the grad
+      little above the center, none outside the band, add up: sustained growth of the grad
       norm, the usual precursor of a loss spike, raises the signal before any single probe is
-      an outlier. A probe near or below the median takes the allowance or more off C, so
+      an outlier. A probe near or below the center takes the allowance or more off C, so
       noise around a steady level keeps C under ``growth_low``.
 
-    Every probe enters the window after being judged, so a lasting change of level becomes
-    the new normal within about ``window / 2`` probes. The signal holds its value between
-    probes. Nothing is judged until the window holds min(window, 8) probes.
+    Every probe moves the center and the spread after being judged, so a lasting change of
+    level becomes the new normal within a fraction of ``span_probes`` probes. The signal
+    holds its value between probes. The center and spread start as plain means of the
+    probes seen; nothing is judged until min(``span_probes``, 8) probes are in.
     """
+
+    __slots__ = (
+        "_allowance",
+        "_center",
+        "_cusum",
+        "_deadband",
+        "_growth_high",
+        "_growth_low",
+        "_probes",
+        "_quiet",
+        "_rate",
+        "_signal",
+        "_spread",
+        "_warm_up",
+        "_z",
+        "_z_high",
+        "_z_low",
+    )
 
     def __init__(self, policy: GradSignalPolicy) -> None:
         self._z_low = policy.z_low
@@ -309,16 +396,26 @@ class GradActivity:
         self._deadband = policy.deadband_decades
         self._growth_low = policy.growth_low
         self._growth_high = policy.growth_high
-        self._window = _Window(policy.window)
-        self._min_probes = min(policy.window, MIN_HISTORY)
+        # z at or below this changes nothing while C is 0: no growth added, no deviation.
+        self._quiet = min(policy.growth_allowance, policy.z_low)
+        self._rate = ewma_rate(policy.span_probes)
+        self._warm_up = min(policy.span_probes, MIN_HISTORY)
+        self._probes = 0
+        self._center = 0.0
+        self._spread = 0.0
         self._z = 0.0
         self._cusum = 0.0
         self._signal = 0.0
 
     @property
-    def probes(self) -> int:
-        """How many probes the window holds (at most ``grad.window``)."""
-        return len(self._window.ring)
+    def estimates(self) -> tuple[float, float]:
+        """(center m, spread a) of log10 grad norm, as of the last probe."""
+        return self._center, self._spread
+
+    @property
+    def sigma(self) -> float:
+        """The noise σ of log10 grad norm that the next probe is judged against."""
+        return self._spread * _SIGMA_PER_SPREAD
 
     @property
     def z(self) -> float:
@@ -349,34 +446,57 @@ class GradActivity:
                 "of the gradients"
             )
         y = log10(value + GRAD_EPSILON)
-        window = self._window
-        ring, ordered = window.ring, window.ordered
-        count = len(ordered)
-        if count < self._min_probes:  # never a full window: no delete
-            ring.append(y)
-            insort(ordered, y)
+        if self._warm_up:  # counts down to 0: one test per probe once warm
+            self._warm(y)
             return True
-        middle = 0.5 * (ordered[(count - 1) >> 1] + ordered[count >> 1])
-        deviation = y - middle
+        deviation = y - self._center
+        spread = self._spread
         deadband = self._deadband
-        z = self._z = 0.0 if -deadband <= deviation <= deadband else window.z(deviation, middle)
-        if count == window.size:
-            del ordered[bisect_left(ordered, ring[0])]
-        ring.append(y)
-        insort(ordered, y)
-        # z capped at z_high: one probe, however far out (an infinite z after a flat window),
+        z_high = self._z_high
+        size = deviation if deviation >= 0.0 else -deviation
+        if size <= deadband:
+            z = 0.0
+        else:
+            sigma = spread * _SIGMA_PER_SPREAD
+            z = deviation / sigma if sigma > 0.0 else (inf if deviation > 0.0 else -inf)
+            bound = z_high * sigma + deadband
+            if size > bound:  # winsorised: one outlier moves the center a bounded amount
+                deviation = bound if deviation > 0.0 else -bound
+        self._z = z
+        rate = self._rate
+        self._center += rate * deviation
+        bound = spread * _SPREAD_CAP + deadband
+        self._spread = spread + rate * ((bound if size > bound else size) - spread)
+        if z <= self._quiet and not self._cusum:
+            if self._signal:
+                self._signal = 0.0
+            return True  # the common, quiet probe: C stays at 0, no deviation
+        allowance = self._allowance
+        # z capped at z_high: one probe, however far out (an infinite z after a flat stretch),
         # adds a bounded amount; C capped at growth_high, where the signal is already 1, so a
         # long climb is forgotten within a few probes once it stops.
-        z_high, growth_high = self._z_high, self._growth_high
-        cusum = self._cusum + (z_high if z > z_high else z) - self._allowance
+        growth_high = self._growth_high
+        cusum = self._cusum + (z_high if z > z_high else z) - allowance
         cusum = self._cusum = 0.0 if cusum < 0.0 else growth_high if cusum > growth_high else cusum
         if z <= self._z_low and cusum <= self._growth_low:
-            self._signal = 0.0  # the common, quiet probe: no grading needed
+            self._signal = 0.0  # no grading needed
         else:
             self._signal = max(
                 graded(z, self._z_low, z_high), graded(cusum, self._growth_low, growth_high)
             )
         return True
+
+    def _warm(self, y: float) -> None:
+        """Warm-up: the center and the spread are plain means of the probes so far."""
+        self._warm_up -= 1
+        probes = self._probes = self._probes + 1
+        if probes == 1:
+            self._center = y
+            return
+        deviation = y - self._center
+        self._center += deviation / probes
+        size = deviation if deviation >= 0.0 else -deviation
+        self._spread += (size - self._spread) / (probes - 1)
 
 
 class Hazard:
