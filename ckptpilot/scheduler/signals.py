@@ -16,10 +16,11 @@ of 0.3 and of 300; the only absolute constants left, ``loss.slope_threshold`` (d
 step, a relative change) and ``grad.deadband_decades``, only keep rounding noise on a
 perfectly flat value (spread 0) quiet.
 
-Why robust: before a value updates a center or a spread, its deviation is winsorised to
-±(``z_high``·σ + the dead band), so one outlier, however far out, moves the center by at most
-a fraction of ``z_high``·σ and raises the spread by a bounded factor; a lasting change moves
-both step after step and becomes the new normal.
+Why robust: before a value moves a level or a center, its deviation is winsorised to
+±(``z_high``·σ + the dead band), and before it enters a spread it is capped at
+:data:`SPREAD_CLIP`·σ, so one outlier, however far out, moves the center by at most a
+fraction of ``z_high``·σ and the spread by a bounded factor; a lasting change moves both step
+after step and becomes the new normal.
 
 It must not do I/O, read a clock, import numpy or torch, or decide anything about saving:
 the scheduler (``adaptive.py``) combines the signals. A non-finite input (NaN, ±inf) never
