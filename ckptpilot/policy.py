@@ -101,7 +101,7 @@ _BYTE_UNITS = {
 _MAX_STEPS = 10**9
 """Intervals counted in optimizer steps."""
 _MAX_SIGNAL_WINDOW = 1000
-"""Windows of the scheduler's signals: the training thread keeps each one sorted, per step."""
+"""Windows kept sorted on the training thread, per step (the spike detector's baseline)."""
 _MAX_SIGNAL_SPAN = 1000
 """Spans of the scheduler's signal EWMAs: one that needs longer to follow a change is no
 signal (the state is a few floats whatever the span)."""
