@@ -26,12 +26,8 @@ CITATION = re.compile(
 """``bench/RESULTS.md, "<heading>"``, or ``bench/RESULTS.md, <bench script>`` (also in
 parentheses) for the section of that script; a bare mention matches with neither group."""
 
-KNOWN_FIGURES = {
-    ("ckptpilot/scheduler/adaptive.py", "1.8 µs"),
-    ("ckptpilot/scheduler/adaptive.py", "0.5 µs"),
-}
-"""Figures still quoted in files owned elsewhere, awaiting the same rewrite; delete an entry
-once its figure is gone. Nothing may be added here."""
+KNOWN_FIGURES: set[tuple[str, str]] = set()
+"""Figures a file may still quote, as (path, figure); empty, and nothing may be added."""
 
 
 def prose(path: Path) -> list[tuple[int, str]]:

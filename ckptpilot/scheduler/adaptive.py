@@ -372,9 +372,10 @@ class AdaptiveCheckpointScheduler:
         """A save when ``level`` is set; emergency saves are critical, others ``klass``.
 
         Built without the frozen dataclass's ``__init__``, which sets each of its 12 fields
-        through ``object.__setattr__`` (1.8 µs, a third of the scheduler's per-step cost):
-        one ``__dict__`` update holding every field (``tests/test_scheduler.py`` checks that
-        none is missing) gives an equal, still frozen object in 0.5 µs.
+        through ``object.__setattr__`` and was a third of the scheduler's per-step cost
+        (bench/RESULTS.md, scheduler.py): one ``__dict__`` update holding every
+        field (``tests/test_scheduler.py`` checks that none is missing) gives an equal, still
+        frozen object at a fraction of the cost.
         """
         decision = _NEW(CheckpointDecision)
         decision.__dict__.update(
