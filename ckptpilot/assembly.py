@@ -2,11 +2,9 @@
 
 This module owns :func:`open_parts` and :class:`RunParts`: the one place that knows which
 part needs which (the tiers and the catalog before the writer, the writer before the rollback
-guard, the agreement before the restorer and the per-step decider). Every part that runs a
-thread or holds a file registers its stop on the caller's ``ExitStack`` the moment it exists,
-so a failure half-way through stops exactly what was started, and a normal close stops the
-parts in the reverse order of their start (the writer before the telemetry it reports to, the
-metadata store last).
+guard, the agreement before the restorer and the per-step decider), and in which order their
+stops run (:data:`STOP_ORDER`). A failure half-way through stops exactly what was started;
+once every part runs, their stops go on the caller's ``ExitStack``.
 
 It must not train, save or restore. Threading: the training thread, once per pilot.
 """
@@ -14,6 +12,8 @@ It must not train, save or restore. Threading: the training thread, once per pil
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +42,14 @@ from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.writer import CheckpointWriter
 
-__all__ = ["RunParts", "open_parts"]
+__all__ = ["STOP_ORDER", "RunParts", "open_parts"]
+
+log = logging.getLogger("ckptpilot")
+
+STOP_ORDER = ("writer", "agreement", "heartbeat", "health", "telemetry", "validator", "peers",
+              "run_end", "store")
+"""The order the parts stop in: the writer first (nothing is written after), the pending
+all-reduce before the clean end goes into the ledger, the metadata store last."""
 
 
 @dataclass(frozen=True)
@@ -69,19 +76,46 @@ class RunParts:
 
 
 def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, world_size: int,
-               gpu_health: GpuHealthProvider | None, stops: contextlib.ExitStack) -> RunParts:
-    """Start every part of a pilot for ``policy.run_dir``, registering each stop on
-    ``stops`` as soon as the part exists."""
+               gpu_health: GpuHealthProvider | None, stops: contextlib.ExitStack,
+               step_now: Callable[[], int]) -> RunParts:
+    """Start every part of a pilot for ``policy.run_dir`` and put their stops on ``stops``
+    (in :data:`STOP_ORDER`; the ledger's clean end records ``step_now()``). If a part fails
+    to start, the ones already started are stopped, in that order, and the error raised."""
+    started: dict[str, Callable[[], object]] = {}
+    try:
+        parts = _start(policy, components, rank, world_size, gpu_health, started)
+    except BaseException:
+        partial = contextlib.ExitStack()
+        _push(partial, started)
+        try:
+            partial.close()
+        except Exception:
+            log.exception("while stopping what a pilot that failed to start had started")
+        raise
+    started["run_end"] = lambda: parts.lifecycle.end(step_now())
+    _push(stops, started)
+    return parts
+
+
+def _push(stack: contextlib.ExitStack, started: dict[str, Callable[[], object]]) -> None:
+    for name in reversed(STOP_ORDER):  # an ExitStack runs the last pushed first
+        if name in started:
+            stack.callback(started[name])
+
+
+def _start(policy: Policy, components: TrainingComponents, rank: int, world_size: int,
+           gpu_health: GpuHealthProvider | None,
+           started: dict[str, Callable[[], object]]) -> RunParts:
     run_dir = Path(policy.run_dir)
     remote = RemoteTier(policy.tiers.remote.url)
     run_id = run_identity(run_dir)
     store = MetadataStore(run_dir / "metadata.sqlite")
-    stops.callback(store.close)
+    started["store"] = store.close
     # A directory whose rows are keyed by its folder's name (no run id yet) is re-keyed.
     store.adopt_run_id(run_dir.name, run_id)
     catalog = Catalog(store, run_id, rank, run_dir)
     validator = PostWriteValidator(policy.validation)
-    stops.callback(validator.close)
+    started["validator"] = validator.close
     scheduler = AdaptiveCheckpointScheduler(policy.scheduler, policy.retention)
     max_pending = policy.async_.max_pending
     pool = HostBufferPool(max_pending)
@@ -90,11 +124,11 @@ def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, wor
     peers = None
     if peer.enabled:
         peers = PeerTier.from_policy(peer, run_id=f"{run_dir.name}-{run_id}.rank{rank:05d}")
-        stops.callback(peers.close)
+        started["peers"] = peers.close
     obs = policy.observability
     telemetry = Telemetry(run_dir, rank=rank, tensorboard=obs.tensorboard,
                           decision_log=obs.decision_log)
-    stops.callback(telemetry.close)
+    started["telemetry"] = telemetry.close
     codecs = policy.codecs
     pulse_codecs = CodecSelector(
         {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
@@ -103,11 +137,11 @@ def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, wor
     writer = CheckpointWriter(catalog=catalog, remote=remote, peers=peers, memory=memory,
                               pool=pool, validator=validator, pulse_codecs=pulse_codecs,
                               telemetry=telemetry, max_pending=max_pending)
-    stops.callback(writer.shutdown)
+    started["writer"] = writer.shutdown
     hb_path = run_dir / f"heartbeat_rank_{rank:05d}.ring"
     previous_heartbeat = read_latest(hb_path)
     heartbeat = HeartbeatWriter(hb_path)
-    stops.callback(heartbeat.close)
+    started["heartbeat"] = heartbeat.close
     ledger = FailureLedger(run_dir / f"ledger_rank_{rank:05d}.jsonl")
     lifecycle = RunLifecycle(ledger, previous_heartbeat)
     rollback = RollbackGuard(policy.rollback, rank=rank, ledger=ledger, catalog=catalog,
@@ -115,12 +149,12 @@ def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, wor
     health = None
     if policy.scheduler.weights.system > 0:
         health = HealthMonitor(run_dir, policy.scheduler.system, provider=gpu_health)
+        started["health"] = health.stop  # also when start() fails half-way
         health.start()
-        stops.callback(health.stop)
     agreement = None
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         agreement = RankAgreement(rank, world_size)
-        stops.callback(agreement.drop)
+        started["agreement"] = agreement.drop
     return RunParts(
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,

@@ -96,39 +96,38 @@ class CheckpointPilot:
                                              data_state=data_state)
         # First, before any file of the run is touched: a second pilot for this rank refuses.
         self._lease = RunLease(self.run_dir, self.rank)
-        self._closed = False
-        self._stops = contextlib.ExitStack()  # stops every part started, the lease last
+        self._closed = True  # until every part started: close() then has nothing to undo
+        self._stops = contextlib.ExitStack()  # every part's stop in order, the lease last
         self._stops.callback(self._lease.release)
+        self.step = self._base_step = self._optimizer_steps = 0
         try:
             parts = open_parts(self.policy, self.components, rank=self.rank,
                                world_size=self.world_size, gpu_health=gpu_health,
-                               stops=self._stops)
+                               stops=self._stops, step_now=lambda: self.step)
+            self.run_id, self.remote, self.store = parts.run_id, parts.remote, parts.store
+            self.memory, self.peers, self.scheduler = parts.memory, parts.peers, parts.scheduler
+            self._pool, self._catalog, self._writer = parts.pool, parts.catalog, parts.writer
+            self._telemetry, self._heartbeat, self._health = (parts.telemetry, parts.heartbeat,
+                                                              parts.health)
+            self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,
+                                                                parts.agreement)
+            self._restorer, self._steps = parts.restorer, parts.steps
+            self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
+                          if optimizer is not None else None)
         except BaseException:
-            self._closed = True
             try:
                 self._stops.close()
             except Exception:
                 log.exception("while stopping what a pilot that failed to start had started")
             raise
-        self._stops.callback(lambda: parts.lifecycle.end(self.step))
-        self.run_id, self.remote, self.store = parts.run_id, parts.remote, parts.store
-        self.memory, self.peers, self.scheduler = parts.memory, parts.peers, parts.scheduler
-        self._pool, self._catalog, self._writer = parts.pool, parts.catalog, parts.writer
-        self._telemetry, self._heartbeat, self._health = (parts.telemetry, parts.heartbeat,
-                                                          parts.health)
-        self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,
-                                                            parts.agreement)
-        self._restorer, self._steps = parts.restorer, parts.steps
         self.extras: dict[str, Any] = {}
-        self.step = self._base_step = self._optimizer_steps = 0
         self.epoch: int | None = None
         self.last_loss: float | None = None
         self.last_decision: CheckpointDecision | None = None
         self.last_recovery: RecoveryReport | None = None
         self._last_save_step: int | None = None
         self._observed = False
-        self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
-                      if optimizer is not None else None)
+        self._closed = False
 
     @property
     def saves(self) -> list[SaveRecord]:
@@ -313,6 +312,8 @@ class CheckpointPilot:
                                              read.bytes_read, lifecycle=before is None)
         if before is None:
             self._rollback.skip_again_after(restored.step)
+        if restored.pin is not None:
+            self._catalog.consume_pin(restored.pin.step, restored.pin.force)
         log.info("restored step %d from %s in %.2f s", restored.step, read.location,
                  self.last_recovery.seconds)
         return restored.step
@@ -334,9 +335,10 @@ class CheckpointPilot:
         if level is not None:
             self.scheduler.note_save(step, level)
 
-    def _recovered(self, *args: Any, **kwargs: Any) -> RecoveryReport:
-        report = self._lifecycle.recovered(*args, **kwargs)
-        self._steps.mtbf_seconds = self._lifecycle.mtbf_seconds()
+    def _recovered(self, *args: Any, lifecycle: bool = True, **kwargs: Any) -> RecoveryReport:
+        report = self._lifecycle.recovered(*args, lifecycle=lifecycle, **kwargs)
+        if lifecycle:  # a rollback is no interruption: the MTBF stays as it was
+            self._steps.mtbf_seconds = self._lifecycle.mtbf_seconds()
         return report
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ckptpilot.agreement import RankAgreement
-from ckptpilot.catalog import Catalog
+from ckptpilot.catalog import Catalog, Pin
 from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.state import arena_views
@@ -71,11 +71,14 @@ class Read:
 
 @dataclass(frozen=True)
 class Restored:
-    """The step a restore loaded (``read`` None: the run has no checkpoint, step 0)."""
+    """The step a restore loaded (``read`` None: the run has no checkpoint, step 0);
+    ``pin`` the recover pin it followed, for the caller to consume once the restore is
+    complete (``Catalog.consume_pin``)."""
 
     step: int
     read: Read | None
     skipped: tuple[SkippedCheckpoint, ...]
+    pin: Pin | None = None
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,8 @@ class Restorer:
             if read is None:
                 continue
             skipped += [m for s, m in plan.missing if s > target]
-            if plan.pinned:
-                self._catalog.consume_pin(target, plan.forced)
-            return Restored(target, read, tuple(skipped))
+            return Restored(target, read, tuple(skipped),
+                            Pin(target, plan.forced) if plan.pinned else None)
         skipped += [m for _, m in plan.missing]
         if before is not None:
             for item in skipped:

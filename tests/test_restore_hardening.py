@@ -418,6 +418,56 @@ def test_a_pilot_that_fails_to_start_stops_what_it_started(
     Job(tmp_path, interval=3).pilot.close()  # and the lease is free
 
 
+def test_a_pilot_that_fails_after_its_parts_started_stops_them_and_frees_the_run(
+        tmp_path: Path) -> None:
+    """The optimizer hook is registered last, after every thread started: an optimizer
+    without ``register_step_post_hook`` must not leave those threads or the lease behind."""
+
+    class NoHooks:  # duck-typed optimizer wrapper that hides torch's hook API
+        def __init__(self) -> None:
+            self.param_groups: list[dict[str, object]] = []
+
+        def state_dict(self) -> dict[str, object]:
+            return {}
+
+    job = Job(tmp_path, interval=3)
+    job.pilot.close()
+    before = set(threading.enumerate())
+    with pytest.raises(AttributeError, match="register_step_post_hook"):
+        CheckpointPilot(job.pilot.policy, model=job.model,
+                        optimizer=NoHooks())  # type: ignore[arg-type]
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    Job(tmp_path, interval=3).pilot.close()  # the lease was released
+
+
+def test_close_stops_the_writer_before_the_clean_end_and_the_store_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clean end goes into the ledger only once nothing more can be written, so a close
+    that hangs or dies earlier leaves the run an interruption, never a clean end."""
+    from ckptpilot.lifecycle import RunLifecycle
+    from ckptpilot.writer import CheckpointWriter
+
+    order: list[str] = []
+
+    def recording(cls: type, name: str) -> None:
+        original = getattr(cls, name)
+
+        def wrapper(self: object, *args: object) -> object:
+            order.append(f"{cls.__name__}.{name}")
+            return original(self, *args)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    recording(CheckpointWriter, "shutdown")
+    recording(RunLifecycle, "end")
+    recording(MetadataStore, "close")
+    job = Job(tmp_path, interval=3)
+    for _ in range(4):
+        job.step()
+    job.pilot.close()
+    assert order == ["CheckpointWriter.shutdown", "RunLifecycle.end", "MetadataStore.close"]
+
+
 @pytest.mark.crash
 def test_a_spike_on_one_rank_rolls_every_rank_back_to_the_same_step(tmp_path: Path) -> None:
     """Rank 0 confirms a spike at step 23 (onset 22); the ranks agree on it one step later
