@@ -301,21 +301,26 @@ class CheckpointPilot:
                                           prepare=self.flush)
         if restored is None:
             return None
-        read = restored.read
+        read, lifecycle = restored.read, before is None  # a rollback is no interruption
         self._after_restore(restored.step, None if read is None else read.level)
         if read is None:
-            self.last_recovery = self._recovered(RecoverySource.NONE, 0, None, t0, None,
-                                                 restored.skipped)
+            report = self._lifecycle.recovered(RecoverySource.NONE, 0, None, t0, None,
+                                               restored.skipped)
+        else:
+            report = self._lifecycle.recovered(
+                read.source, restored.step, read.level.value, t0, read.location,
+                restored.skipped, read.bytes_read, lifecycle=lifecycle)
+        self.last_recovery = report
+        if lifecycle:
+            self._steps.mtbf_seconds = self._lifecycle.mtbf_seconds()
+        if read is None:
             return 0
-        self.last_recovery = self._recovered(read.source, restored.step, read.level.value,
-                                             t0, read.location, restored.skipped,
-                                             read.bytes_read, lifecycle=before is None)
-        if before is None:
+        if lifecycle:
             self._rollback.skip_again_after(restored.step)
         if restored.pin is not None:
             self._catalog.consume_pin(restored.pin.step, restored.pin.force)
         log.info("restored step %d from %s in %.2f s", restored.step, read.location,
-                 self.last_recovery.seconds)
+                 report.seconds)
         return restored.step
 
     def _apply(self, read: Read) -> None:
@@ -334,12 +339,6 @@ class CheckpointPilot:
         self._last_save_step = step
         if level is not None:
             self.scheduler.note_save(step, level)
-
-    def _recovered(self, *args: Any, lifecycle: bool = True, **kwargs: Any) -> RecoveryReport:
-        report = self._lifecycle.recovered(*args, lifecycle=lifecycle, **kwargs)
-        if lifecycle:  # a rollback is no interruption: the MTBF stays as it was
-            self._steps.mtbf_seconds = self._lifecycle.mtbf_seconds()
-        return report
 
     # -- lifecycle -------------------------------------------------------------------------
 
