@@ -37,7 +37,7 @@ from ckptpilot.storage.ledger import FailureLedger
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PeerTier
+from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.writer import CheckpointWriter
@@ -159,6 +159,8 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,
         heartbeat=heartbeat, lifecycle=lifecycle, rollback=rollback, health=health,
-        agreement=agreement, restorer=Restorer(catalog, remote, peers, memory, agreement),
+        agreement=agreement, restorer=Restorer(
+            catalog, remote, None if peers is None else PeerCheckpointTier(peers, rank=rank),
+            memory, agreement),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
                           rollback=rollback))

@@ -27,9 +27,7 @@ import torch
 
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.catalog import Catalog, Pin
-from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
-from ckptpilot.format.image import ImageMeta
-from ckptpilot.state import arena_views
+from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
 from ckptpilot.storage.archive import (
     ArchiveListing,
     checkpoint_name,
@@ -37,8 +35,9 @@ from ckptpilot.storage.archive import (
     read_manifest,
     read_organ,
 )
-from ckptpilot.tiers.memory import MemoryEntry, MemoryTier
-from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
+from ckptpilot.tiers.base import CheckpointTier
+from ckptpilot.tiers.memory import MemoryTier
+from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
 from ckptpilot.vocab import Level, RecoverySource, Status, Tier
@@ -109,7 +108,7 @@ class _Plan:
 class Restorer:
     """Walks the recovery plan over this rank's tiers; see the module docstring."""
 
-    def __init__(self, catalog: Catalog, remote: RemoteTier, peers: PeerTier | None,
+    def __init__(self, catalog: Catalog, remote: RemoteTier, peers: PeerCheckpointTier | None,
                  memory: MemoryTier | None, agreement: RankAgreement | None) -> None:
         self._catalog = catalog
         self._rank = catalog.rank
@@ -226,17 +225,20 @@ class Restorer:
         """For each step this rank could restore, its sources, fastest first."""
         options: dict[int, list[_Option]] = {}
         below = math.inf if before is None else before
-        held = self._memory.newest() if self._memory is not None and not forced else None
-        if held is not None and held.step < below and (step is None or held.step == step):
-            options.setdefault(held.step, []).append(_Option(
-                f"memory:step {held.step}", partial(_read_memory, held), (),
-                lambda error: None))
+        memory = self._memory
+        held = memory.steps() if memory is not None and not forced else []
+        for target in (t for t in held if t < below and (step is None or t == step)):
+            assert memory is not None
+            options.setdefault(target, []).append(_Option(
+                f"memory:step {target}", partial(_read, memory, target, RecoverySource.MEMORY),
+                (IntegrityError, NoCheckpointError), lambda error: None))
         newest_remote = plan.attempts[0].step if plan.attempts else -1
         peer_steps = self._peer_targets(step, newest_remote) if not forced else []
         for target in (t for t in peer_steps if t < below):
             assert self._peers is not None
             options.setdefault(target, []).append(_Option(
-                f"peer:{self._peers.run_id}/{target}", partial(self._read_peer, target),
+                f"peer:{self._peers.peers.run_id}/{target}",
+                partial(_read, self._peers, target, RecoverySource.PEER),
                 (*PEER_ERRORS, RuntimeError),
                 partial(self._catalog.condemn, target, Tier.PEER)))
         for cand in plan.attempts:
@@ -272,7 +274,7 @@ class Restorer:
             steps = {r.step for r in rows if r.status is Status.VALID}
         else:
             try:
-                steps = set(self._peers.list())
+                steps = set(self._peers.steps())
             except PEER_ERRORS as e:
                 log.warning("cannot list the peer tier: %s", e)
                 return []
@@ -286,27 +288,6 @@ class Restorer:
         read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
         return Read(RecoverySource.REMOTE, Level(loaded.manifest["level"]), loaded.location,
                     read, loaded.meta, loaded.tensor)
-
-    def _read_peer(self, step: int) -> Read:
-        assert self._peers is not None
-        fetched = self._peers.fetch(step)
-        where = f"peer:{self._peers.run_id}/{step}"
-        image = ImageMeta.decode(fetched.meta, where=where, step=step, rank=self._rank)
-        layout, level, state = image.layout, image.level, image.state
-        arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
-                 else torch.empty(0, dtype=torch.uint8))
-        tensors = arena_views(arena, layout)
-
-        def get_tensor(key: str) -> torch.Tensor:
-            try:
-                return tensors[key]
-            except KeyError:
-                raise CheckpointFormatError(
-                    f"{where}: state refers to tensor {key!r}, absent from the image") from None
-
-        if fetched.rebuilt_shard is not None:
-            where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
-        return Read(RecoverySource.PEER, level, where, fetched.bytes_fetched, state, get_tensor)
 
     def _condemn_remote(self, step: int, error: BaseException) -> None:
         """Only wrong bytes mark a remote copy corrupted; an I/O error may pass (a flaky
@@ -374,9 +355,17 @@ class Restorer:
         return candidates, missing, {step: row.sha256 for step, row in rows.items()}
 
 
-def _read_memory(held: MemoryEntry) -> Read:
-    # Clones: an optimizer's load_state_dict may keep the very tensors it is given, and
-    # these buffers go back to the snapshot pool for the next capture.
-    snap = held.snapshot
-    return Read(RecoverySource.MEMORY, Level(held.level), f"memory:step {held.step}",
-                snap.nbytes, snap.meta, lambda key: snap.tensors[key].clone())
+def _read(tier: CheckpointTier, step: int, source: RecoverySource) -> Read:
+    """``step`` from ``tier``, verified by the tier, as a read the pilot applies."""
+    image = tier.get(step)
+    tensors = image.tensors()
+    where = image.source
+
+    def get_tensor(key: str) -> torch.Tensor:
+        try:
+            return tensors[key]
+        except KeyError:
+            raise CheckpointFormatError(
+                f"{where}: state refers to tensor {key!r}, absent from the image") from None
+
+    return Read(source, image.level, where, image.bytes_read, image.meta, get_tensor)

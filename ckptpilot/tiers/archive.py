@@ -11,6 +11,8 @@ Threading: one writer thread and any number of readers; methods hold no shared s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.storage.archive import checkpoint_name, list_archives, read_organ, stage_organ
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
@@ -54,10 +56,12 @@ class RemoteCheckpointTier:
         except IntegrityError as e:
             raise IntegrityError(f"step {step}: {e.key}", e.expected, e.actual) from e
         manifest = loaded.manifest
-        return CheckpointImage.copied(
+        image = CheckpointImage.copied(
             step, loaded.meta, loaded.tensors, level=Level(manifest["level"]),
             reason=manifest["reason"], retention_class=RetentionClass(manifest["retention_class"]),
             score=manifest["score"])
+        read = sum(int(f["bytes"]) for f in manifest["files"].values())
+        return replace(image, source=loaded.location, bytes_read=read)
 
     def steps(self) -> list[int]:
         return sorted(step for step, _ in list_archives(self.remote, self.rank).published)

@@ -33,7 +33,9 @@ class CheckpointImage:
     """One rank's checkpoint at ``step``; ``arena`` is a flat, contiguous uint8 CPU tensor.
 
     ``meta`` must be JSON-able and hold the ``rank`` and ``world_size`` of the snapshot: the
-    remote archive's manifest and the peer image's meta name them.
+    remote archive's manifest and the peer image's meta name them. ``source`` and
+    ``bytes_read`` are set by ``get``: where the image was read from (e.g. which peer shard
+    was rebuilt from parity) and how many bytes that read moved, for the restore's report.
     """
 
     step: int
@@ -44,6 +46,8 @@ class CheckpointImage:
     reason: str = ""
     retention_class: RetentionClass = RetentionClass.ROUTINE
     score: float | None = None
+    source: str = ""
+    bytes_read: int = 0
 
     @classmethod
     def of(cls, snapshot: Snapshot, *, level: Level | str = Level.ORGAN, reason: str = "",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.state import HostBufferPool, Snapshot
@@ -114,6 +114,7 @@ class MemoryTier:
             got = CheckpointImage.copied(
                 step, snap.meta, snap.tensors, level=Level(held.level), reason=held.reason,
                 retention_class=RetentionClass(held.retention_class), score=held.score)
+            got = replace(got, source=f"memory:step {step}", bytes_read=got.nbytes)
         if held.sha256 is not None:
             actual = hashlib.sha256(got.arena.numpy()).hexdigest()
             if actual != held.sha256:

@@ -4,7 +4,12 @@
 ``placement`` + ``parity`` ← ``client`` (:class:`PeerTier`, what the pilot uses).
 """
 
-from ckptpilot.tiers.peer.client import PeerFetchResult, PeerPutResult, PeerTier
+from ckptpilot.tiers.peer.client import (
+    PeerCheckpointTier,
+    PeerFetchResult,
+    PeerPutResult,
+    PeerTier,
+)
 from ckptpilot.tiers.peer.errors import (
     PEER_ERRORS,
     NotEnoughPeers,
@@ -16,6 +21,7 @@ from ckptpilot.tiers.peer.errors import (
 __all__ = [
     "PEER_ERRORS",
     "NotEnoughPeers",
+    "PeerCheckpointTier",
     "PeerFetchResult",
     "PeerPutResult",
     "PeerRequestError",

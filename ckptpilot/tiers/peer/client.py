@@ -773,8 +773,11 @@ class PeerCheckpointTier:
         meta = ImageMeta.decode(fetched.meta, where=where, step=step, rank=self.rank)
         arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
                  else torch.empty(0, dtype=torch.uint8))
+        if fetched.rebuilt_shard is not None:
+            where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
         return CheckpointImage(step, meta.state, arena, meta.layout, meta.level, meta.reason,
-                               meta.retention_class, meta.score)
+                               meta.retention_class, meta.score, source=where,
+                               bytes_read=fetched.bytes_fetched)
 
     def steps(self) -> list[int]:
         return self.peers.list()
