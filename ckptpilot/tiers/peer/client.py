@@ -91,6 +91,7 @@ _COST_ALPHA = 0.3
 _PEER_GONE_ERRORS = (ConnectionError, TimeoutError)
 _LAYOUTS_KEPT = 4
 _MISMATCH = "sha256 mismatch"
+_NOT_HELD = "not held"
 
 
 @dataclass(frozen=True)
@@ -521,13 +522,17 @@ class PeerTier:
                                 reverse=True)
             candidates += sorted((c for c in catalog if c not in candidates and
                                   catalog[c].committed), reverse=True)
-        if not candidates or (ckpt_id is not None and ckpt_id not in catalog):
-            what = (f"checkpoint {ckpt_id} of run {self.run_id!r} is held by no reachable peer"
-                    if ckpt_id is not None else
-                    f"no committed checkpoint of run {self.run_id!r} is held by a reachable peer")
+        if not candidates or (ckpt_id is not None and not (
+                ckpt_id in catalog and catalog[ckpt_id].committed)):
+            what = (f"no committed checkpoint of run {self.run_id!r} is held by a reachable peer"
+                    if ckpt_id is None else
+                    f"checkpoint {ckpt_id} of run {self.run_id!r} is held by no reachable peer"
+                    if ckpt_id not in catalog else
+                    f"checkpoint {ckpt_id} of run {self.run_id!r} was never committed (its put "
+                    "failed)")
             down = "; ".join(f"{e}: {r}" for e, r in sorted(unreachable.items()))
             raise PeerUnavailable(what + (f" (unreachable: {down})" if down else ""),
-                                  {-1: "not held"})
+                                  {-1: _NOT_HELD})
         errors: list[PeerUnavailable] = []
         for c in candidates:
             try:
@@ -758,14 +763,16 @@ class PeerCheckpointTier:
     def get(self, step: int) -> CheckpointImage:
         """The image, every shard checked against its SHA256 (one lost or corrupt shard is
         rebuilt from parity). A step the peers hold but never committed (a failed put) is not
-        returned. Peers that cannot be reached raise :class:`PeerUnavailable`."""
+        returned. Peers that cannot be reached raise :class:`PeerUnavailable`, or
+        :class:`NoCheckpointError` when none that answered holds the step (with why the others
+        did not answer)."""
         where = self._where(step)
-        if step not in self.peers.list():
-            raise NoCheckpointError(f"{where}: step {step} is held by no reachable peer; "
-                                    "restore it from the remote tier")
         try:
             fetched = self.peers.fetch(step)
         except PeerUnavailable as e:
+            if e.failures == {-1: _NOT_HELD}:
+                raise NoCheckpointError(f"{where}: step {step}: {e}; restore it from the "
+                                        "remote tier") from e
             if any(_MISMATCH in reason for reason in e.failures.values()):
                 raise IntegrityError(f"{where}: step {step}", "the shard digests of its put",
                                      str(e)) from e
