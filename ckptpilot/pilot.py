@@ -234,7 +234,8 @@ class CheckpointPilot:
                                   decision.retention_class.value, decision.score))
 
     def _decide(self) -> CheckpointDecision:
-        self._lifecycle.start(self._base_step)
+        if not self._lifecycle.started:  # tested inline: this runs at every step
+            self._lifecycle.start(self._base_step)
         return self._steps.decide(self.step, self.last_loss)
 
     def _write_heartbeat(self) -> None:
