@@ -97,8 +97,7 @@ class _Plan:
     and what was excluded or is missing, with reasons."""
 
     step: int | None
-    forced: bool
-    pinned: bool
+    pin: Pin | None  # the recover pin that chose ``step``
     options: dict[int, list[_Option]]
     steps: list[int]
     missing: list[tuple[int, SkippedCheckpoint]]
@@ -172,8 +171,7 @@ class Restorer:
             if read is None:
                 continue
             skipped += [m for s, m in plan.missing if s > target]
-            return Restored(target, read, tuple(skipped),
-                            Pin(target, plan.forced) if plan.pinned else None)
+            return Restored(target, read, tuple(skipped), plan.pin)
         skipped += [m for _, m in plan.missing]
         if before is not None:
             for item in skipped:
@@ -189,10 +187,10 @@ class Restorer:
     def _plan(self, step: int | None, before: int | None) -> _Plan:
         """This rank's candidates (all below ``before`` if given), per step and fastest
         source first (rank-local: no collective)."""
-        forced = pinned = False
         pin = self._catalog.read_pin() if step is None and before is None else None
+        forced = pin is not None and pin.force
         if pin is not None:
-            step, forced, pinned = pin.step, pin.force, True
+            step = pin.step
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
         candidates, missing, digests = self._remote_candidates()
@@ -204,7 +202,7 @@ class Restorer:
         plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
         options = self._options(plan, step, forced, digests, before)
         return _Plan(
-            step=step, forced=forced, pinned=pinned, options=options,
+            step=step, pin=pin, options=options,
             steps=sorted(options, reverse=True), missing=missing,
             skipped=[SkippedCheckpoint(self._remote.path(c.name), why)
                      for c, why in plan.excluded])
