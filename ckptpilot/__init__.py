@@ -15,7 +15,7 @@ from ckptpilot.errors import (
     StateError,
 )
 from ckptpilot.pilot import CheckpointPilot, RecoveryReport, RecoverySource, SaveRecord
-from ckptpilot.policy import Policy, load_policy
+from ckptpilot.policy import Policy, default_policy_path, load_policy
 from ckptpilot.sampler import ResumableSampler
 from ckptpilot.scheduler import AdaptiveCheckpointScheduler
 
@@ -36,6 +36,7 @@ __all__ = [
     "RunDirBusyError",
     "SaveRecord",
     "StateError",
+    "default_policy_path",
     "load_policy",
 ]
 __version__ = "0.1.0"

@@ -50,7 +50,7 @@ from ckptpilot.restorer import Read, SkippedCheckpoint
 from ckptpilot.rundir import RunLease
 from ckptpilot.saveplan import plan_save
 from ckptpilot.scheduler.decision import CheckpointDecision
-from ckptpilot.state import Stateful, TrainingComponents, apply, capture
+from ckptpilot.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.steps import write_heartbeat
 from ckptpilot.storage.ledger import Rollback
 from ckptpilot.vocab import Level, RecoverySource
@@ -88,6 +88,8 @@ class CheckpointPilot:
             self.policy = load_policy(policy, run_dir=run_dir)
         self.run_dir = Path(self.policy.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if optimizer is not None:
+            optimizer = unwrap_optimizer(optimizer)
         dist_rank, dist_world = _dist_rank_world()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size
@@ -347,12 +349,23 @@ class CheckpointPilot:
         """Wait for every pending save; raises the first background error."""
         self._writer.flush()
 
-    def close(self) -> None:
-        """Wait for every pending save, then stop every thread and release the run (the
-        lease last); every step runs even when an earlier one raised, and the first error
-        is raised after them."""
+    def close(self, save: bool = True) -> None:
+        """Save the last observed step (unless ``save=False`` or it is saved already), wait
+        for every pending save, then stop every thread and release the run (the lease last);
+        every step runs even when an earlier one raised, and the first error is raised
+        after them. The final save makes a finished run restore to its end, 0 steps lost."""
         if self._closed:
             return
+        if save and self.step > self._base_step:
+            try:
+                self._writer.raise_errors()
+                self._save(SaveIntent(Level.ORGAN.value, "final step at close", "important"))
+            except BaseException:
+                self._close()
+                raise
+        self._close()
+
+    def _close(self) -> None:
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
@@ -362,8 +375,9 @@ class CheckpointPilot:
     def __enter__(self) -> CheckpointPilot:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # A step that raised may have left the state half-updated: only a clean exit saves.
+        self.close(save=exc_type is None)
 
     def stats(self) -> Mapping[str, Any]:
         """Totals over the saves this process completed."""

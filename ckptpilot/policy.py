@@ -34,6 +34,7 @@ error messages repr them in full), and merge keys (``<<``), whose expansion is e
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 import os
 import re
 import reprlib
@@ -606,6 +607,9 @@ class Policy(_Section):
     """
 
     model_config = ConfigDict(populate_by_name=True)
+    # Passed to fsspec as they are (endpoint_url, key/secret, profile, client_kwargs …).
+    # Secrets: left out of repr; never logged, never written to the metadata store.
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     run_dir: Annotated[str, AfterValidator(_check_path_text)] = Field(
         "runs/default", min_length=1, max_length=_MAX_PATH_CHARS)
@@ -741,6 +745,13 @@ class _PolicyLoader(yaml.SafeLoader):
     """
 
     def __init__(self, stream: str) -> None:
+def default_policy_path() -> Path:
+    """The reference policy file installed with the package (``configs/default.yaml`` of the
+    source tree): every key at its default, each one commented — the file to copy and edit.
+    ``load_policy()`` with no path gives the same values."""
+    return Path(str(importlib.resources.files("ckptpilot") / "configs" / "default.yaml"))
+
+
         super().__init__(stream)
         self._depth = 0
 

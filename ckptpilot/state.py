@@ -51,6 +51,40 @@ class TrainingComponents:
     data_state: Stateful | None = None
 
 
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``, …), found through its ``optimizer`` / ``_optimizer``
+    attribute: the pilot hooks the optimizer that really steps and captures its state. A
+    wrapper that is an optimizer with state of its own (a lookahead) is kept as it is; one
+    that shares its inner optimizer's state (Lightning's) is a pure delegate and unwrapped.
+
+    Refuses with a ``TypeError`` naming the types what it cannot capture: an object that is
+    no optimizer and wraps none, and ``ZeroRedundancyOptimizer``, whose state is sharded
+    across ranks (its ``state_dict`` needs a collective consolidation first).
+    """
+    current, chain = optimizer, [type(optimizer).__name__]
+    for _ in range(8):
+        if type(current).__name__ == "ZeroRedundancyOptimizer":
+            raise TypeError(
+                "ZeroRedundancyOptimizer shards its state across ranks and ckptpilot captures "
+                "whole optimizers only; use a plain optimizer (state replicated by DDP)")
+        inner = getattr(current, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(current, "_optimizer", None)
+        if (isinstance(current, torch.optim.Optimizer)
+                and hasattr(current, "_optimizer_step_post_hooks")):
+            if not (isinstance(inner, torch.optim.Optimizer)
+                    and getattr(current, "state", None) is getattr(inner, "state", ())):
+                return current
+        if inner is None or inner is current:
+            break
+        current = inner
+        chain.append(type(current).__name__)
+    raise TypeError(
+        f"optimizer {' -> '.join(chain)} is not a torch.optim.Optimizer and wraps none "
+        "(no .optimizer or ._optimizer attribute holding one); pass the torch optimizer")
+
+
 @dataclass
 class Snapshot:
     """One step's complete training state, owned by the snapshot (never aliased to live memory).

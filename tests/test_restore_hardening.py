@@ -421,21 +421,19 @@ def test_a_pilot_that_fails_to_start_stops_what_it_started(
 def test_a_pilot_that_fails_after_its_parts_started_stops_them_and_frees_the_run(
         tmp_path: Path) -> None:
     """The optimizer hook is registered last, after every thread started: an optimizer
-    without ``register_step_post_hook`` must not leave those threads or the lease behind."""
+    whose ``register_step_post_hook`` fails must not leave those threads or the lease
+    behind."""
 
-    class NoHooks:  # duck-typed optimizer wrapper that hides torch's hook API
-        def __init__(self) -> None:
-            self.param_groups: list[dict[str, object]] = []
-
-        def state_dict(self) -> dict[str, object]:
-            return {}
+    class NoHooks(torch.optim.SGD):  # an optimizer that refuses torch's hook API
+        def register_step_post_hook(self, hook: object) -> object:
+            raise AttributeError("register_step_post_hook is not supported here")
 
     job = Job(tmp_path, interval=3)
     job.pilot.close()
     before = set(threading.enumerate())
     with pytest.raises(AttributeError, match="register_step_post_hook"):
         CheckpointPilot(job.pilot.policy, model=job.model,
-                        optimizer=NoHooks())  # type: ignore[arg-type]
+                        optimizer=NoHooks(job.model.parameters(), lr=0.1))
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
     Job(tmp_path, interval=3).pilot.close()  # the lease was released
 
