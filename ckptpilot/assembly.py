@@ -22,6 +22,7 @@ import torch
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
+from ckptpilot.errors import PolicyError
 from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy
 from ckptpilot.probes.gpu import GpuHealthProvider
@@ -107,7 +108,11 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
            gpu_health: GpuHealthProvider | None,
            started: dict[str, Callable[[], object]]) -> RunParts:
     run_dir = Path(policy.run_dir)
-    remote = RemoteTier(policy.tiers.remote.url)
+    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
+    if not remote.durable:
+        raise PolicyError("tiers.remote.url", f"{remote.url} does not outlive this process, "
+                          "so it cannot hold recovery points; use a directory or an object "
+                          "store (file://, s3://, gs://)")
     run_id = run_identity(run_dir)
     store = MetadataStore(run_dir / "metadata.sqlite")
     started["store"] = store.close

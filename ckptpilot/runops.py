@@ -77,7 +77,7 @@ class Run:
         self.run_id = read_run_id(self.dir) or self.dir.name
         self.other_run_ids: dict[str, int] = {}
         self.db_path = self.dir / DB_NAME
-        self.remote = RemoteTier(policy.tiers.remote.url)
+        self.remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
 
     def store(self, *, read_only: bool = False) -> MetadataStore:
         if not os.path.lexists(self.db_path):
@@ -99,9 +99,15 @@ class Run:
         found = []
         for name in self.remote.list():
             parsed = parse_checkpoint_name(name)
-            if parsed is not None:
+            if parsed is not None and self.remote.committed(name):
                 found.append((parsed[0], parsed[1], name))
         return sorted(found)
+
+    def unfinished(self) -> list[str]:
+        """Saves a killed writer left: staging directories, and on an object store the
+        checkpoint directories whose manifest was never written."""
+        return [name for name in self.remote.list() if STAGING_MARK in name or (
+            parse_checkpoint_name(name) is not None and not self.remote.committed(name))]
 
     @staticmethod
     def entry(row: CheckpointRow) -> str:
@@ -331,7 +337,7 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
         validator.close()
         store.close()
     _table(table, ("step", "rank", "level", "result", "detail"), out)
-    debris = [n for n in run.remote.list() if STAGING_MARK in n]
+    debris = run.unfinished()
     if debris:
         print(f"{len(debris)} unfinished save(s) left by killed writers: {', '.join(debris)} "
               "(the next restore() removes them)", file=out)

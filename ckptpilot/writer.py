@@ -37,7 +37,13 @@ from ckptpilot.errors import CheckpointWriteError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.saveplan import SavePlan
 from ckptpilot.state import HostBufferPool, Snapshot
-from ckptpilot.storage.archive import StagedArchive, model_layout, stage_organ
+from ckptpilot.storage.archive import (
+    StagedArchive,
+    checkpoint_name,
+    model_layout,
+    publish_organ,
+    stage_organ,
+)
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
@@ -302,6 +308,10 @@ class CheckpointWriter:
         costs."""
         intent, catalog, remote = plan.intent, self._catalog, self._remote
         t0 = time.perf_counter()
+        name = checkpoint_name(snapshot.step, self._rank)
+        # Before staging: on an object store the staging is the checkpoint's own name.
+        catalog.retire(catalog.key(snapshot.step, Tier.REMOTE), lambda: (
+            remote.path(remote.set_aside(name, "superseded")) if remote.exists(name) else None))
         codec_for = None
         if plan.codecs:
             self._pulse_codecs.new_save()
@@ -313,9 +323,6 @@ class CheckpointWriter:
         write_seconds = time.perf_counter() - t0
         if codec_for is not None:
             _trim_heap()
-        name = staged.name
-        catalog.retire(catalog.key(snapshot.step, Tier.REMOTE), lambda: (
-            remote.path(remote.set_aside(name, "superseded")) if remote.exists(name) else None))
         key = catalog.record_pending(
             snapshot.step, Tier.REMOTE, intent, location=remote.path(staged.staging),
             sha256=staged.manifest["self_sha256"], bytes_raw=snapshot.nbytes,
@@ -324,7 +331,7 @@ class CheckpointWriter:
         check = self._validator.validate(remote, staged.staging, staged.manifest,
                                          model_layout(snapshot))
         if check.ok:
-            remote.publish(staged.staging, name)
+            publish_organ(remote, staged)
             location, status = remote.path(name), Status.VALID
             catalog.store.mark(key, status, location=location, seconds_validate=check.seconds)
         else:

@@ -124,10 +124,14 @@ def test_listing_separates_published_staging_and_other_ranks(tier: RemoteTier) -
         archive.write_organ(tier, snapshot(step))
     staging = tier.new_staging(archive.checkpoint_name(20, 0))
     tier.write_file(f"{staging}/{archive.TENSORS_FILE}", [b"partial"])
-    tier.fs.makedirs(tier.path(archive.checkpoint_name(30, 1)), exist_ok=True)
+    other_rank = archive.checkpoint_name(30, 1)
+    tier.fs.makedirs(tier.path(other_rank), exist_ok=True)
+    tier.write_file(f"{other_rank}/{archive.MANIFEST_FILE}", [b"{}"])
     tier.fs.makedirs(tier.path("unrelated"), exist_ok=True)
     listing = archive.list_archives(tier, rank=0)
     assert [s for s, _ in listing.published] == [12, 5, 3]
+    # An object store writes in place (the staging is the checkpoint's name until its
+    # manifest commits it); a local directory is staged beside it.
     assert listing.staging == [staging]
     assert [s for s, _ in archive.list_archives(tier, rank=1).published] == [30]
 

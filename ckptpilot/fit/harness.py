@@ -200,7 +200,8 @@ class Trial:
 
     def remote(self) -> RemoteTier:
         """The run's remote tier, for faults that damage what is stored on it."""
-        return RemoteTier(self.policy.tiers.remote.url)
+        return RemoteTier(self.policy.tiers.remote.url,
+                          self.policy.tiers.remote.storage_options)
 
     def _command(self, out: Path, options: dict[str, Any]) -> list[str]:
         job = ["--config", str(self.policy_path), "--steps", str(STEPS), "--out", str(out)]
@@ -467,7 +468,8 @@ class _Pristine:
 
     def discard(self) -> None:
         if self.trial.remote_outside():
-            tier = RemoteTier(self.trial.policy.tiers.remote.url)
+            tier = RemoteTier(self.trial.policy.tiers.remote.url,
+                              self.trial.policy.tiers.remote.storage_options)
             with contextlib.suppress(FileNotFoundError):
                 tier.fs.rm(self._remote_copy(tier), recursive=True)
         shutil.rmtree(self.path, ignore_errors=True)

@@ -46,12 +46,12 @@ from ckptpilot.format.manifest import (
     encode_manifest,
 )
 from ckptpilot.state import Snapshot
-from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
+from ckptpilot.tiers.remote import COMMIT_FILE, STAGING_MARK, RemoteTier
 
 TENSORS_FILE = "tensors.safetensors"
 CONTAINER_FILE = "tensors.ckpt"
 STATE_FILE = "state.json"
-MANIFEST_FILE = "manifest.json"
+MANIFEST_FILE = COMMIT_FILE
 _CHUNK_BYTES = 64 << 20
 _NAME_RE = re.compile(r"^step_(\d{8,})_rank_(\d{5,})$")
 
@@ -191,13 +191,25 @@ def _tensors_digest(index: ContainerIndex) -> str:
 
 @dataclass(frozen=True)
 class StagedArchive:
-    """A complete archive in its staging directory: written and fsynced, not yet visible."""
+    """A complete archive in its staging directory: written and fsynced, not yet visible.
+    ``commit``: the encoded manifest still to be written by :func:`publish_organ` (an object
+    store, where writing it is the publication); None when it is in the staging directory."""
 
     name: str
     staging: str
     bytes: int
     manifest: dict[str, Any]
     index: ContainerIndex | None = None  # what the codecs made of each tensor (containers)
+    commit: bytes | None = None
+
+
+def publish_organ(tier: RemoteTier, staged: StagedArchive) -> None:
+    """Make a staged archive a checkpoint: the rename of its staging directory, or on an
+    object store the write of its manifest (see ``tiers.remote``)."""
+    if staged.commit is None:
+        tier.publish(staged.staging, staged.name)
+    else:
+        tier.write_file(f"{staged.name}/{MANIFEST_FILE}", [staged.commit])
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
@@ -218,7 +230,7 @@ def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "") -> WrittenArchive:
     """Write ``snapshot`` as a complete archive and publish it atomically (no validation)."""
     staged = stage_organ(tier, snapshot, level=level, reason=reason)
-    tier.publish(staged.staging, staged.name)
+    publish_organ(tier, staged)
     return WrittenArchive(name=staged.name, location=tier.path(staged.name), bytes=staged.bytes,
                           manifest=staged.manifest)
 
@@ -227,8 +239,9 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "", retention_class: str = "routine",
                 score: float | None = None, codec_for: CodecFor | None = None,
                 created_unix: float | None = None) -> StagedArchive:
-    """Write ``snapshot`` into a fresh staging directory, manifest last; publish separately
-    (after validation) with ``tier.publish(staged.staging, staged.name)``.
+    """Write ``snapshot`` into a fresh staging directory, manifest last (on an object store
+    the manifest is left for the publication); publish separately, after validation, with
+    :func:`publish_organ`.
 
     With ``codec_for`` the tensors go into a codec container (``tensors.ckpt``), each encoded
     by the codec it names (encoding overlaps writing); without, into ``tensors.safetensors``.
@@ -257,9 +270,13 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
         epoch=meta.get("epoch"), level=level, reason=reason, retention_class=retention_class,
         score=score, created_unix=time.time() if created_unix is None else created_unix,
         state_bytes=snapshot.nbytes, files=files)
-    tier.write_file(f"{staging}/{MANIFEST_FILE}", [encode_manifest(manifest)])
+    commit: bytes | None = encode_manifest(manifest)
+    if tier.renames:
+        tier.write_file(f"{staging}/{MANIFEST_FILE}", [commit])
+        commit = None
     total = sum(f["bytes"] for f in files.values())
-    return StagedArchive(name=name, staging=staging, bytes=total, manifest=manifest, index=index)
+    return StagedArchive(name=name, staging=staging, bytes=total, manifest=manifest, index=index,
+                         commit=commit)
 
 
 def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
@@ -298,9 +315,12 @@ def _check_file(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, Any])
     return rel
 
 
-def verify_organ(tier: RemoteTier, name: str) -> dict[str, Any]:
-    """Re-hash every file of the archive against its manifest (streaming, nothing kept)."""
-    manifest = read_manifest(tier, name)
+def verify_organ(tier: RemoteTier, name: str,
+                 manifest: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    """Re-hash every file of the archive against its manifest (streaming, nothing kept);
+    ``manifest``: the one staged with it, for an archive whose manifest is not written yet."""
+    if manifest is None:
+        manifest = read_manifest(tier, name)
     for fname, rec in manifest["files"].items():
         rel = _check_file(tier, name, fname, rec)
         _, sha = tier.digest(rel)
@@ -393,6 +413,9 @@ def list_archives(tier: RemoteTier, rank: int) -> ArchiveListing:
             continue
         parsed = parse_checkpoint_name(entry)
         if parsed is not None and parsed[1] == rank:
-            published.append((parsed[0], entry))
+            if tier.committed(entry):
+                published.append((parsed[0], entry))
+            else:  # an object store's save that never wrote its manifest
+                staging.append(entry)
     published.sort(reverse=True)
     return ArchiveListing(published=published, staging=staging)

@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ckptpilot.errors import IntegrityError, NoCheckpointError
-from ckptpilot.storage.archive import checkpoint_name, list_archives, read_organ, stage_organ
+from ckptpilot.storage.archive import (
+    checkpoint_name,
+    list_archives,
+    publish_organ,
+    read_organ,
+    stage_organ,
+)
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Level, RetentionClass, Tier
@@ -34,20 +40,21 @@ class RemoteCheckpointTier:
         self.rank = rank
 
     def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
-        """Stage the archive (manifest last), then publish it in one rename; an archive of
-        the same step already there is set aside (``*.replaced-*``). A failure before the
-        rename leaves staging debris that no listing takes for a checkpoint."""
+        """Stage the archive, then publish it (one rename, or the manifest written last on an
+        object store); an archive of the same step already there is set aside
+        (``*.replaced-*``). A failure before the publication leaves staging debris that no
+        listing takes for a checkpoint."""
         snapshot = image.snapshot()
         staged = stage_organ(self.remote, snapshot, level=image.level.value,
                              reason=image.reason, retention_class=image.retention_class.value,
                              score=image.score)
-        self.remote.publish(staged.staging, staged.name)
+        publish_organ(self.remote, staged)
         return PutReceipt(image.step, self.remote.path(staged.name), staged.bytes)
 
     def get(self, step: int) -> CheckpointImage:
         """The archive, every file checked against its manifest, copied into one arena."""
         name = checkpoint_name(step, self.rank)
-        if not self.remote.exists(name):
+        if not self.remote.exists(name) or not self.remote.committed(name):
             raise NoCheckpointError(
                 f"{self.remote.path(name)}: step {step} of rank {self.rank} is not on the "
                 f"remote tier; `ckptpilot ls` lists the steps it holds")

@@ -1,10 +1,20 @@
-"""The remote tier: persistent storage behind an fsspec URL (local dir, NFS, S3, GCS, memory).
+"""The remote tier: persistent storage behind an fsspec URL (local dir, NFS, S3, GCS).
 
-It owns durability and atomic publication, nothing about checkpoint contents: files are
-written into a staging directory, fsynced, and the directory is published under its final
-name in one rename (on a local file system an atomic ``rename(2)`` followed by an fsync of the
-parent; on object stores fsspec's ``mv``, where the manifest-written-last rule of the archive
-is what makes a half-published checkpoint detectable).
+It owns durability and atomic publication, nothing about checkpoint contents beyond one
+name: the commit file (``manifest.json``), which the archive writes last.
+
+- On a local file system files are written into a staging directory, fsynced, and the
+  directory is published under its final name in one ``rename(2)`` followed by an fsync of
+  the parent.
+- An object store has no rename (a "move" is a copy of every byte, then a delete): files are
+  written straight under the final name, streamed (multipart for large ones), and the
+  checkpoint is committed by writing its commit file last — one PUT, atomic on S3, GCS and
+  Azure. A directory without its commit file is an unfinished save: listings show it as
+  staging debris, never as a checkpoint. Setting a checkpoint aside (superseded, corrupted)
+  copies it file by file and then deletes it, commit file first.
+
+``storage_options`` go to fsspec as they are (endpoint, credentials, region); they are never
+logged — only the URL is.
 
 One rank's view of it as a :class:`~ckptpilot.tiers.base.CheckpointTier` is
 ``tiers.archive.RemoteCheckpointTier`` (it needs ``storage.archive``, which needs this module).
@@ -18,9 +28,9 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -28,7 +38,9 @@ from fsspec.implementations.local import LocalFileSystem
 log = logging.getLogger(__name__)
 
 STAGING_MARK = ".staging-"
+COMMIT_FILE = "manifest.json"
 _READ_CHUNK = 16 << 20
+_NOT_DURABLE = frozenset({"memory"})
 
 
 class RemoteTier:
@@ -36,22 +48,46 @@ class RemoteTier:
 
     name = "remote"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
         # The root is created by the first save (``new_staging``), not here: reading a run
         # (``ls``, a restore, a dry run) must change nothing, and a mistyped URL must not
         # appear as an empty tier.
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        # Publication by directory rename is atomic on a local file system only.
+        self.renames = self.is_local
+        protocols = self.fs.protocol
+        protocols = (protocols,) if isinstance(protocols, str) else tuple(protocols)
+        # Data that does not outlive this process cannot be a recovery point.
+        self.durable = not _NOT_DURABLE.intersection(protocols)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
 
     def new_staging(self, name: str) -> str:
-        """Reserve a staging directory for checkpoint ``name``; returns its relative name."""
+        """Reserve where checkpoint ``name`` is written before it is published; returns its
+        relative name. Locally a fresh directory beside ``name``. On an object store
+        ``name`` itself (see the module docstring): a committed checkpoint already there is
+        set aside (``*.replaced-*``), the files of an unfinished save are removed."""
+        if not self.renames:
+            if self.exists(name):
+                if self.exists(f"{name}/{COMMIT_FILE}"):
+                    aside = self.set_aside(name, "replaced")
+                    log.warning("checkpoint %s already exists; moved it aside to %s", name,
+                                aside)
+                else:
+                    self.remove(name)
+            return name
         staging = f"{name}{STAGING_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.fs.makedirs(self.path(staging), exist_ok=True)
         return staging
+
+    def committed(self, name: str) -> bool:
+        """Whether the directory ``name`` is a published checkpoint rather than an unfinished
+        save: always for a listed name on a local file system (publication is its rename);
+        on an object store when its commit file is there."""
+        return self.renames or self.exists(f"{name}/{COMMIT_FILE}")
 
     def write_file(self, relpath: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
         """Write ``chunks`` to ``relpath`` durably; returns (bytes written, SHA256 hex).
@@ -81,7 +117,9 @@ class RemoteTier:
                 yield out
 
     def publish(self, staging: str, final: str) -> None:
-        """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost."""
+        """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost.
+        Locally one rename; on an object store a copy of every file — the archive commits
+        there in place instead (``storage.archive.publish_organ``)."""
         if self.fs.exists(self.path(final)):
             aside = self.set_aside(final, "replaced")
             log.warning("checkpoint %s already exists; moved it aside to %s", final, aside)
@@ -100,11 +138,17 @@ class RemoteTier:
             _fsync_dir(src)
             os.rename(src, dst)
             _fsync_dir(os.path.dirname(dst))
-        else:
-            self.fs.mv(src, dst, recursive=True)
+            return
+        # No rename on an object store: copy every file (server side), then delete the
+        # source, commit file first so that it stops being a checkpoint before it is partial.
+        files = sorted(self.fs.find(src), key=lambda f: f.endswith(f"/{COMMIT_FILE}"))
+        for file in files:
+            self.fs.copy(file, dst + file[len(src):])
+        self.remove(src[len(self.root.rstrip("/")) + 1:])
 
     def list(self) -> list[str]:
         """Names of the entries directly under the root."""
+        self.fs.invalidate_cache(self.root)  # another process (a rank, the CLI) may write
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -152,7 +196,18 @@ class RemoteTier:
         """A file-system path when the tier is local (lets readers mmap), else None."""
         return self.path(relpath) if self.is_local else None
 
+    def download(self, relpath: str, local: str) -> None:
+        """Copy a stored file to the local path ``local``, streamed."""
+        self.fs.get_file(self.path(relpath), local)
+
     def remove(self, relpath: str) -> None:
+        """Remove a file or a directory tree; a checkpoint's commit file goes first, so a
+        removal cut short leaves an unfinished save, never a checkpoint with files missing."""
+        commit = f"{relpath}/{COMMIT_FILE}"
+        if not self.is_local and self.exists(commit):
+            self.fs.rm(self.path(commit))
+            if not self.exists(relpath):  # the commit file was its only file
+                return
         self.fs.rm(self.path(relpath), recursive=True)
 
 

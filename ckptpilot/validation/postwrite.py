@@ -41,11 +41,11 @@ class PostWriteValidator:
                 return self._checker.check(local, manifest, layout, sha256=self.policy.sha256)
             with tempfile.TemporaryDirectory(prefix="ckptpilot-validate-") as tmp:
                 for fname in manifest["files"]:
-                    (Path(tmp) / fname).write_bytes(tier.read_bytes(f"{name}/{fname}"))
+                    tier.download(f"{name}/{fname}", str(Path(tmp) / fname))
                 return self._checker.check(tmp, manifest, layout, sha256=self.policy.sha256)
         if self.policy.sha256:
             try:
-                verify_organ(tier, name)
+                verify_organ(tier, name, manifest)
             except CheckpointFormatError as e:
                 return LoadCheckResult(False, str(e), time.perf_counter() - t0)
         return LoadCheckResult(True, "ok (hashes only)" if self.policy.sha256 else "not checked",
