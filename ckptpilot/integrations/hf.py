@@ -291,8 +291,10 @@ class CheckpointPilotCallback(TrainerCallback):
             progress.data_epoch, progress.batches = progress.data_epoch + 1, 0
         finished = state.global_step >= state.max_steps
         if finished:
-            log.info("restored step %d, max_steps is %d: nothing left to train",
-                     state.global_step, state.max_steps)
+            # Said at warning level: the Trainer then warns of an empty epoch iterator.
+            log.warning("restored step %d, max_steps is %d: nothing left to train (the "
+                        "Trainer stops at its empty first epoch)", state.global_step,
+                        state.max_steps)
         if finished or progress.data_epoch > 0:
             dataloader.set_sampler(_EpochOffsetSampler(sampler, progress.data_epoch, finished))
         dataloader.skip_batches = progress.batches
