@@ -41,15 +41,16 @@ keeps writing its own full checkpoints beside the pilot's (the same state twice,
 training thread); nothing conflicts, but resume through one of them only: ``train()`` with
 ``resume_from_checkpoint`` and this callback together are refused.
 
-Refused at ``on_train_begin`` with a ``StateError`` naming the fix, because a resume could
-not be exact: a training set without ``__len__`` (an ``IterableDataset``); a sampler whose
+Refused, with the fix named, because a resume could not be exact: at ``on_train_begin``
+(``StateError``), a training set without ``__len__`` (an ``IterableDataset``), a sampler whose
 order is drawn from the global RNG when an epoch starts (``RandomSampler``; keep Accelerate's
-default ``use_seedable_sampler=True``, or use a sampler with ``set_epoch``);
+default ``use_seedable_sampler=True``, or use a sampler with ``set_epoch``), and
 ``gradient_accumulation_steps`` that does not divide the batches of an epoch (the Trainer
 decides the epoch's last optimizer step by counting batches from where its iterator started);
-``rollback.enabled`` in the policy (the Trainer's data iterator cannot be rewound from a
-callback). Also not reproduced: random draws of the data collator or the dataset itself
-(MLM masking), and, with ``dataloader_num_workers > 0``, anything the workers draw.
+when the callback is built (``PolicyError``), ``rollback.enabled`` in the policy (the
+Trainer's data iterator cannot be rewound from a callback). Not reproduced either: random
+draws of the data set or the data collator (MLM masking), in the main process or in the
+DataLoader's workers.
 
 What a callback cannot reach: the Trainer sets the counters behind its running ``loss`` log
 and its final ``train_loss`` / throughput summary before any callback runs, so after a resume
@@ -333,6 +334,12 @@ def _check_resumable(dataloader: Any, accumulation: int) -> Any:
             "CheckpointPilotCallback needs a train_dataset with __len__ (a map-style data "
             "set): the position in an IterableDataset cannot be resumed") from e
     sampler = dataloader.get_sampler()
+    if sampler is None:
+        raise StateError(
+            "the Trainer's DataLoader draws whole batches from a batch sampler (e.g. "
+            "train_sampling_strategy='batch_rebalance'), which CheckpointPilotCallback "
+            "cannot move to a resumed epoch; use the 'random' (default) or 'sequential' "
+            "train_sampling_strategy")
     if not isinstance(sampler, SequentialSampler) and not hasattr(sampler, "set_epoch"):
         raise StateError(
             f"the Trainer's sampler {type(sampler).__qualname__} draws each epoch's order "

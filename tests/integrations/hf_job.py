@@ -1,13 +1,13 @@
 """A tiny GPT-2 trained through the real ``transformers.Trainer`` with CheckpointPilotCallback,
 run as a child process by tests/integrations/test_hf.py.
 
-Randomly initialised (dropout on), synthetic tokens, 16 batches per epoch, an evaluation
-every ``--eval-steps`` steps. Each training step appends a JSON line to ``--losses``: the
-step, the loss the pilot observed and the loss the Trainer logged; each evaluation one with
-its ``eval_loss`` (floats as hex strings). At the
-end the weights and the optimizer state go to ``--final`` (safetensors) and the schedule and
-torch RNG to ``--final``.json. ``--kill-after-step S`` SIGKILLs this process at the end of
-step S, once the pilot has no save in flight.
+Randomly initialised (dropout on), synthetic tokens, 16 batches per epoch, ``--accumulation``
+batches per optimizer step, an evaluation every ``--eval-steps`` steps. Each training step
+appends a JSON line to ``--losses``: the step, the loss the pilot observed and the loss the
+Trainer logged; each evaluation one with its ``eval_loss`` (floats as hex strings). At the
+end the weights and the optimizer state go to ``--final`` (safetensors) and the schedule,
+torch RNG, global step and epoch to ``--final``.json. ``--kill-after-step S`` SIGKILLs this
+process once step S is logged and the pilot has no save in flight.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--eval-steps", type=int, required=True)
+    p.add_argument("--accumulation", type=int, required=True)
     p.add_argument("--losses", required=True)
     p.add_argument("--final", required=True)
     p.add_argument("--kill-after-step", type=int)
@@ -104,6 +105,7 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=os.path.join(a.run_dir, "hf"), max_steps=a.steps, learning_rate=1e-3,
         per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+        gradient_accumulation_steps=a.accumulation,
         eval_strategy="steps", eval_steps=a.eval_steps, logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(TRAIN_SAMPLES, seed=1),

@@ -2,15 +2,15 @@
 trained in child processes (tests/integrations/hf_job.py), SIGKILLed twice and resumed by
 rerunning the same script, against an uninterrupted run, bit for bit.
 
-The policy saves every 8 steps and the job evaluates every 12; each evaluation reports
-``eval_loss``, which saves the step if it was not saved (and restarts the interval). Saves
-land at 8, 12, 20, 24, 32, 36 and 40 (the Trainer evaluates at ``max_steps`` too). 16 batches
-make an epoch, so the two kills resume
+16 batches make an epoch and 2 batches an optimizer step (gradient accumulation), so an
+epoch is 8 steps. The policy saves every 8 steps and the job evaluates every 10; each
+evaluation reports ``eval_loss``, which saves the step if it was not saved (and restarts the
+interval). Saves land at 8, 10, 18, 20, 28, 30, 38 and 40, so the two kills resume
 
-- after step 26 from step 24, a save made by the metric report after an evaluation, in the
-  middle of the second epoch (the Trainer must skip 8 batches and draw epoch 1's order at
-  its epoch 0), and
-- after step 35 from step 32, a save made at the step boundary, where the third epoch starts.
+- after step 9 from step 8, saved at the step boundary where the second epoch starts, and
+- after step 22 from step 20, saved by the metric report after an evaluation, in the middle
+  of the third epoch: the Trainer, counting its epochs from 0 again, must skip 8 batches and
+  draw epoch 2's order at its epoch 0.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from ckptpilot.storage.metadata import CheckpointRow
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
 JOB = Path(__file__).with_name("hf_job.py")
-STEPS, EVAL_STEPS = 40, 12
-KILLS = ((26, 24), (35, 32))  # (killed after step, resumes from step)
+STEPS, EVAL_STEPS, ACCUMULATION = 40, 10, 2
+KILLS = ((9, 8), (22, 20))  # (killed after step, resumes from step)
 TIMEOUT_SECONDS = 600  # a safety net against a hung child, not a speed requirement
 POLICY = """\
 scheduler: {base_interval: 8, min_interval: 1, max_interval: 500, young_daly: false,
@@ -56,6 +56,7 @@ class Job:
         self.losses, self.final = tmp / f"{name}.jsonl", tmp / f"{name}.safetensors"
         cmd = [sys.executable, str(JOB), "--run-dir", str(tmp / run), "--config",
                str(tmp / "policy.yaml"), "--steps", str(STEPS), "--eval-steps", str(EVAL_STEPS),
+               "--accumulation", str(ACCUMULATION),
                "--losses", str(self.losses), "--final", str(self.final)]
         if kill_after_step is not None:
             cmd += ["--kill-after-step", str(kill_after_step)]
@@ -129,9 +130,13 @@ def test_a_trainer_killed_twice_resumes_bit_exactly_mid_epoch_and_at_an_epoch_st
 
     ref = {r["step"]: r for r in _lines(reference.losses) if "loss_observed" in r}
     assert sorted(ref) == list(range(1, STEPS + 1))
+    # The pilot observes the loss the Trainer trains on and logs: with accumulation the sum
+    # of the micro-batches' losses, each normalised by the step's token count.
+    assert all(r["loss_observed"] == r["loss_logged"] for r in ref.values())
     chain = [r for r in _lines(first.losses) if "loss_observed" in r]
-    # Run 1: steps 1-26; run 2: 25-35; run 3: 33-40 — the steps after each restore replayed.
-    expected = [*range(1, 27), *range(25, 36), *range(33, STEPS + 1)]
+    # Run 1: steps 1-9; run 2: 9-22; run 3: 21-40 — the steps after each restore replayed.
+    expected = [*range(1, KILLS[0][0] + 1), *range(KILLS[0][1] + 1, KILLS[1][0] + 1),
+                *range(KILLS[1][1] + 1, STEPS + 1)]
     assert [r["step"] for r in chain] == expected
     mismatched = [(r["step"], r["loss_observed"], ref[r["step"]]["loss_observed"])
                   for r in chain if r["loss_observed"] != ref[r["step"]]["loss_observed"]]
@@ -140,13 +145,12 @@ def test_a_trainer_killed_twice_resumes_bit_exactly_mid_epoch_and_at_an_epoch_st
     # The Trainer's own running-loss log matches too, except its first line after a resume,
     # which it averages from step 0 (module docstring of ckptpilot.integrations.hf): pinned,
     # so that the docstring is revisited if a transformers release changes it.
-    resumed_at = {resume + 1: resume for _, resume in KILLS}
-    for i, r in enumerate(chain):
-        step, logged = r["step"], float.fromhex(r["loss_logged"])
-        if i > 0 and step in resumed_at and chain[i - 1]["step"] >= step:
-            assert logged == float.fromhex(r["loss_observed"]) / step
+    for previous, r in zip([None, *chain], chain, strict=False):
+        if previous is not None and r["step"] <= previous["step"]:  # first after a resume
+            averaged = float.fromhex(r["loss_observed"]) / r["step"]
+            assert float.fromhex(r["loss_logged"]) == averaged, r
         else:
-            assert r["loss_logged"] == ref[step]["loss_logged"], step
+            assert r["loss_logged"] == ref[r["step"]]["loss_logged"], r
 
     _assert_final_states_equal(reference.final, third.final)
 
@@ -156,7 +160,7 @@ def test_each_evaluation_reaches_its_checkpoint_row_and_best_n_keeps_the_best(
     tmp = jobs["tmp"]
     evals = {r["step"]: float.fromhex(r["eval_loss"])
              for r in _lines(jobs["reference"].losses) if "eval_loss" in r}
-    assert sorted(evals) == [12, 24, 36, 40]
+    assert sorted(evals) == [10, 20, 30, 40]
     policy = load_policy(tmp / "policy.yaml", run_dir=tmp / "reference")
     rows = jobs["rows"][0]
     assert {r.step: (r.metric_name, r.metric_value) for r in rows if r.metric_name} == \
