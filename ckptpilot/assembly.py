@@ -125,7 +125,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     max_pending = policy.async_.max_pending
     pool = HostBufferPool(max_pending)
     mem, peer = policy.tiers.memory, policy.tiers.peer
-    memory = MemoryTier(mem.max_bytes, pool, max_sets=max_pending) if mem.enabled else None
+    memory = MemoryTier(mem.max_bytes, pool) if mem.enabled else None
     peers = None
     if peer.enabled:
         peers = PeerTier.from_policy(peer, run_id=f"{run_dir.name}-{run_id}.rank{rank:05d}")

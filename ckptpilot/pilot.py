@@ -252,7 +252,7 @@ class CheckpointPilot:
         try:
             snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
                                extras=self.extras, rank=self.rank, world_size=self.world_size,
-                               pool=self.memory or self._pool)
+                               pool=self._pool)
         except BaseException:
             self._writer.release_slot()
             raise

@@ -71,11 +71,11 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         inner = getattr(current, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             inner = getattr(current, "_optimizer", None)
+        delegate = (isinstance(inner, torch.optim.Optimizer)
+                    and getattr(current, "state", None) is getattr(inner, "state", ()))
         if (isinstance(current, torch.optim.Optimizer)
-                and hasattr(current, "_optimizer_step_post_hooks")):
-            if not (isinstance(inner, torch.optim.Optimizer)
-                    and getattr(current, "state", None) is getattr(inner, "state", ())):
-                return current
+                and hasattr(current, "_optimizer_step_post_hooks") and not delegate):
+            return current
         if inner is None or inner is current:
             break
         current = inner
@@ -118,23 +118,60 @@ class BufferSource(Protocol):
 
 
 class HostBufferPool:
-    """Host buffers of finished snapshots, reused by the next capture of the same layout.
+    """Every host buffer set a capture writes into: the free ones, how many exist, and the
+    one a tier keeps on loan (the memory tier holds its newest checkpoint in the snapshot's
+    own buffers, no copy).
 
     Reusing memory that is already faulted in makes the training-thread copy a plain memcpy
     instead of a page-fault storm, which dominates the first save's stall (bench/RESULTS.md,
-    stall.py: first save against later saves). The pool keeps at most ``max_sets`` returned
-    snapshots, so its footprint stays within the in-flight bound.
-    Thread-safe: the writer thread returns buffers while the training thread takes them.
+    stall.py: first save against later saves). The pool keeps at most ``max_sets`` free sets.
+    With a holder (:meth:`lend`), a capture allocates a new set only while fewer than
+    ``max_sets`` exist; then it takes the held set back — the holder is empty until that save
+    completes — so holding never adds host memory beyond the in-flight bound. While the
+    writer reads the held set (a delta base) it is pinned (:meth:`pin`): a capture meanwhile
+    allocates one set beyond ``max_sets`` rather than overwrite it.
+
+    Thread-safe: the writer thread returns and pins buffers while the training thread takes
+    them. Lock order: the pool's lock, then the holder's (``reclaim`` runs under the pool's).
     """
 
     def __init__(self, max_sets: int) -> None:
         self._max_sets = max_sets
         self._sets: list[Snapshot] = []
+        self._allocated = 0  # sets the captures were told to allocate, with a holder
+        self._reclaim: Callable[[], Snapshot | None] | None = None
+        self._pinned = False
         self._lock = threading.Lock()
 
-    def take(self) -> Snapshot | None:
+    def lend(self, reclaim: Callable[[], Snapshot | None]) -> None:
+        """Register the holder of one set: ``reclaim()`` gives it up (None: it holds none)."""
         with self._lock:
-            return self._sets.pop() if self._sets else None
+            self._reclaim = reclaim
+
+    def take(self) -> Snapshot | None:
+        """Buffers for the next capture: a free set; else None (allocate) while fewer than
+        ``max_sets`` exist, the held set is pinned or nothing is held; else the held set."""
+        with self._lock:
+            if self._sets:
+                return self._sets.pop()
+            if self._reclaim is None or self._pinned:
+                return None
+            if self._allocated < self._max_sets:
+                self._allocated += 1
+                return None
+            held = self._reclaim()
+            if held is None:
+                self._allocated += 1
+            return held
+
+    def pin(self) -> None:
+        """The held set is being read: no capture may take it until :meth:`unpin`."""
+        with self._lock:
+            self._pinned = True
+
+    def unpin(self) -> None:
+        with self._lock:
+            self._pinned = False
 
     def give_back(self, snapshot: Snapshot) -> None:
         """Return a snapshot whose contents nobody needs any more; its buffers get reused."""

@@ -248,16 +248,17 @@ class CheckpointWriter:
                          retention_class=RetentionClass(intent.retention_class),
                          score=intent.score, created_unix=time.time(),
                          layout=tuple(snapshot.layout), state=snapshot.meta).encode()
-        base = None
+        self._pool.pin()  # before looking: no capture may take the base while it is read
         held = (self._memory.base_for(self._peer_step, snapshot.layout)
                 if self._memory is not None else None)
-        if held is not None and held.arena is not None:
-            base = (held.step, held.arena.numpy())
+        if held is None or held.arena is None:
+            self._pool.unpin()
+            return self._put_to_peers(snapshot, plan, stall, t0, meta, None)
         try:
-            return self._put_to_peers(snapshot, plan, stall, t0, meta, base)
+            return self._put_to_peers(snapshot, plan, stall, t0, meta,
+                                      (held.step, held.arena.numpy()))
         finally:
-            if self._memory is not None:
-                self._memory.unpin()
+            self._pool.unpin()
 
     def _put_to_peers(self, snapshot: Snapshot, plan: SavePlan, stall: float, t0: float,
                       meta: bytes, base: tuple[int, Any] | None) -> SaveRecord | None:

@@ -181,15 +181,16 @@ def test_memory_tier_pins_the_base_and_drops_a_stale_entry() -> None:
                         arena=arena)
 
     pool = HostBufferPool(2)
-    tier = MemoryTier(1024, pool, max_sets=2)
-    assert tier.take() is None and tier.take() is None  # two sets may be allocated
+    tier = MemoryTier(1024, pool)
+    assert pool.take() is None and pool.take() is None  # two sets may be allocated
     first = snap(1)
     assert tier.hold(first, "pulse")
+    pool.pin()
     base = tier.base_for(1, first.layout)
     assert base is first and tier.base_for(2, first.layout) is None
-    assert tier.take() is None, "a pinned base is never handed to a capture"
-    tier.unpin()
-    assert tier.take() is first  # at max_sets, unpinned: the held set is reused
+    assert pool.take() is None, "a pinned base is never handed to a capture"
+    pool.unpin()
+    assert pool.take() is first  # at max_sets, unpinned: the held set is reused
     assert tier.newest() is None
     second = snap(2)
     assert tier.hold(second, "pulse")

@@ -3,16 +3,10 @@
 Restoring from it costs a memory copy: a run that rolls back in process (a loss spike, a
 NaN) needs no storage at all, and the peer tier computes its deltas against it. It holds the
 snapshot buffers themselves, no copy: when a save has been validated its buffers move here and
-the buffers of the checkpoint they replace go back to the snapshot pool. When the pool has
-no free set for a new capture, the capture takes the buffers held here (``take``)
-and the tier is empty until that save completes — so the tier never adds host memory beyond
-the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps. A capture
-allocates a new set only while fewer than ``max_pending`` exist, so with saves that finish
-before the next one starts the tier keeps the previous snapshot — the base of the peer tier's
-deltas — while the next is captured into a second set; under back-pressure (a capture while
-every other set is in flight) it gives the held one up and the next peer put is full. While
-the writer XORs against the held snapshot it is pinned: a capture then allocates one set
-beyond ``max_pending`` instead of overwriting it.
+the buffers of the checkpoint they replace go back to the snapshot pool
+(:class:`~ckptpilot.state.HostBufferPool`), which owns every buffer set and may take the held
+one back for a capture (:meth:`MemoryTier.reclaim`) — so the tier never adds host memory
+beyond the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps.
 
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
 
@@ -20,8 +14,9 @@ It implements :class:`~ckptpilot.tiers.base.CheckpointTier` (``put``/``get``/``s
 ``discard``/``close``): a put keeps the image's arena itself, with its SHA256, so a ``get``
 detects a held buffer that was written to after the put (a pool bug reusing it).
 
-Threading: the writer thread calls ``hold`` / ``put``; the training thread ``take`` and
-``newest``; a lock guards the entry.
+Threading: the writer thread calls ``hold`` / ``put``; the training thread ``newest`` and,
+through the pool, ``reclaim``; a lock guards the entry and is never held while calling the
+pool.
 """
 
 from __future__ import annotations
@@ -60,14 +55,12 @@ class MemoryTier:
                                     folds_deltas=False, speed=Tier.MEMORY.speed,
                                     keeps_older=False)
 
-    def __init__(self, max_bytes: int, pool: HostBufferPool, *, max_sets: int) -> None:
+    def __init__(self, max_bytes: int, pool: HostBufferPool) -> None:
         self.max_bytes = max_bytes
         self._pool = pool
-        self._max_sets = max_sets
-        self._sets = 0  # buffer sets the captures were told to allocate
         self._entry: MemoryEntry | None = None
-        self._pinned = False
         self._lock = threading.Lock()
+        pool.lend(self.reclaim)
 
     def hold(self, snapshot: Snapshot, level: str) -> bool:
         """Keep ``snapshot`` as the newest; the snapshot it replaces goes back to the pool.
@@ -142,33 +135,20 @@ class MemoryTier:
             self._pool.give_back(held.snapshot)
 
     def base_for(self, step: int | None, layout: object) -> Snapshot | None:
-        """The held snapshot if it is of ``step`` with ``layout``, pinned until ``unpin``: a
-        capture meanwhile allocates rather than overwrite it (the writer is reading it)."""
+        """The held snapshot if it is of ``step`` with ``layout`` (a delta base); the caller
+        pins it in the pool first, so that no capture takes it while it is read."""
         with self._lock:
             held = self._entry
             if held is None or held.step != step or held.snapshot.layout != layout:
                 return None
-            self._pinned = True
             return held.snapshot
 
-    def unpin(self) -> None:
+    def reclaim(self) -> Snapshot | None:
+        """Give the held snapshot's buffers up for a capture (the pool calls this when it
+        may allocate no more); the tier is empty until the next save is kept."""
         with self._lock:
-            self._pinned = False
-
-    def take(self) -> Snapshot | None:
-        """Buffers for the next capture: a free pool set; else None (allocate) while fewer
-        than ``max_sets`` sets exist or the held set is pinned; else the ones held here."""
-        reuse = self._pool.take()
-        if reuse is not None:
-            return reuse
-        with self._lock:
-            if self._pinned:
-                return None  # one set over max_sets until the base is released
-            if self._sets < self._max_sets or self._entry is None:
-                self._sets += 1
-                return None
             held, self._entry = self._entry, None
-        return held.snapshot
+        return None if held is None else held.snapshot
 
     def newest(self) -> MemoryEntry | None:
         with self._lock:

@@ -67,7 +67,7 @@ def memory_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         assert held is not None and held.step == step
         held.snapshot.arena[held.snapshot.nbytes // 2] ^= 0xFF
 
-    return Backend(lambda: MemoryTier(1 << 30, HostBufferPool(2), max_sets=2), corrupt,
+    return Backend(lambda: MemoryTier(1 << 30, HostBufferPool(2)), corrupt,
                    TierCapabilities(
                        durable=False, survives_node_loss=False, folds_deltas=False, speed=0,
                        keeps_older=False))

@@ -228,7 +228,7 @@ def test_close_is_idempotent(backend: Backend) -> None:
 
 
 def test_the_memory_tier_declines_an_image_over_budget_or_older_than_its_newest() -> None:
-    tier = MemoryTier(image(1).nbytes, HostBufferPool(2), max_sets=2)
+    tier = MemoryTier(image(1).nbytes, HostBufferPool(2))
     assert tier.put(image(5)).kept
     older = tier.put(image(4))
     assert (older.kept, older.bytes_stored, tier.steps()) == (False, 0, [5])
