@@ -668,6 +668,13 @@ class Policy(_Section):
         }
 
 
+def default_policy_path() -> Path:
+    """The reference policy file installed with the package (``configs/default.yaml`` of the
+    source tree): every key at its default, each one commented — the file to copy and edit.
+    ``load_policy()`` with no path gives the same values."""
+    return Path(str(importlib.resources.files("ckptpilot") / "configs" / "default.yaml"))
+
+
 def load_policy(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -745,13 +752,6 @@ class _PolicyLoader(yaml.SafeLoader):
     """
 
     def __init__(self, stream: str) -> None:
-def default_policy_path() -> Path:
-    """The reference policy file installed with the package (``configs/default.yaml`` of the
-    source tree): every key at its default, each one commented — the file to copy and edit.
-    ``load_policy()`` with no path gives the same values."""
-    return Path(str(importlib.resources.files("ckptpilot") / "configs" / "default.yaml"))
-
-
         super().__init__(stream)
         self._depth = 0
 
