@@ -253,18 +253,16 @@ class CheckpointPilotCallback(TrainerCallback):
     def on_evaluate(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, metrics: Mapping[str, float] | None = None,
                     **kwargs: Any) -> None:
-        best = self.policy.retention.best
-        pilot = self.pilot
-        if best is None or pilot is None or self._hook is None or not metrics:
-            return
+        best, pilot = self.policy.retention.best, self.pilot
+        if best is None or pilot is None or self._torch_rng is None or not metrics:
+            return  # no best-N retention, or an evaluation outside train()
         if best.metric not in metrics:
             log.warning("retention.best.metric %r is not among this evaluation's metrics %s; "
                         "name it as the Trainer reports it (e.g. 'eval_loss')",
                         best.metric, sorted(metrics))
             return
-        if self._torch_rng is not None:
-            # The evaluation drew from it; a checkpoint saved here must hold the training RNG.
-            torch.set_rng_state(self._torch_rng)
+        # The evaluation drew from it; a checkpoint saved here must hold the training RNG.
+        torch.set_rng_state(self._torch_rng)
         pilot.report_metric(best.metric, metrics[best.metric])
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,

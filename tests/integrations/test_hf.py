@@ -40,10 +40,13 @@ JOB = Path(__file__).with_name("hf_job.py")
 STEPS, EVAL_STEPS, ACCUMULATION = 40, 10, 2
 KILLS = ((9, 8), (22, 20))  # (killed after step, resumes from step)
 TIMEOUT_SECONDS = 600  # a safety net against a hung child, not a speed requirement
+# No load test in a worker process: tests/test_loadcheck.py covers it; here it would only
+# start one more process per child.
 POLICY = """\
 scheduler: {base_interval: 8, min_interval: 1, max_interval: 500, young_daly: false,
   weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0}}
 retention: {important_keep: 1, best: {metric: eval_loss, mode: min, keep: 2}}
+validation: {load_test: none}
 observability: {tensorboard: false, decision_log: false}
 """
 
