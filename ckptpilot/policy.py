@@ -530,6 +530,9 @@ class RemoteTierPolicy(_Section):
         "{run_dir}/checkpoints", min_length=1, max_length=_MAX_PATH_CHARS
     )
     bandwidth: _ByteSize = 2 * 10**9
+    # Passed to fsspec as they are (endpoint_url, key/secret, profile, client_kwargs …).
+    # Secrets: left out of repr; never logged, never written to the metadata store.
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
 
 class TiersPolicy(_Section):
@@ -607,9 +610,6 @@ class Policy(_Section):
     """
 
     model_config = ConfigDict(populate_by_name=True)
-    # Passed to fsspec as they are (endpoint_url, key/secret, profile, client_kwargs …).
-    # Secrets: left out of repr; never logged, never written to the metadata store.
-    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     run_dir: Annotated[str, AfterValidator(_check_path_text)] = Field(
         "runs/default", min_length=1, max_length=_MAX_PATH_CHARS)
