@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "manifests (the old file is kept, renamed)")
     va_mode.add_argument("--dry-run", action="store_true",
                          help="re-verify and report only; mark nothing (read-only)")
+    rep = run_parser("report", "the run's goodput from its records: time lost to failures, "
+                     "recovery and checkpointing, checkpoints, bytes, MTBF")
+    rep.add_argument("--json", action="store_true", help="print the JSON document, not the table")
+    rep.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                     help="also show every duration in GPU-hours for N GPUs")
+    rep.add_argument("--no-tensorboard", action="store_true",
+                     help="do not write the goodput/* scalars to the run's TensorBoard")
     from ckptpilot.tiers.peer.daemon import add_peer_parser
 
     add_peer_parser(sub)
@@ -126,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                                   force=args.force, out=out)
         if args.command == "prune":
             return runops.prune(policy, dry_run=args.dry_run, out=out)
+        if args.command == "report":
+            from ckptpilot.report import run_report
+
+            return run_report(policy, out, as_json=args.json, gpus=args.gpus,
+                              tensorboard=not args.no_tensorboard)
         return runops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
     except (CkptPilotError, DemoError) as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)

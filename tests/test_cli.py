@@ -45,6 +45,12 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "checkpoint/save_seconds", "checkpoint/bytes"} <= tags
 
+    report = ckptpilot("report", "--run-dir", str(run_dir), "--config", str(cfg))
+    assert report.returncode == 0, report.stderr
+    table = {line.split("  ", 1)[0]: line for line in report.stdout.splitlines()}
+    assert "4 steps lost x step time" in table["lost to failures"]
+    assert table["failures"].startswith("failures             1 interruption(s), 0 rollback(s)")
+
     again = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
     assert again.returncode == 0, again.stderr  # a previous demo directory is reused
 
