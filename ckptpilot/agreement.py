@@ -3,9 +3,11 @@
 This module owns :class:`RankAgreement`, the pilot's only collectives. Per step, one tiny
 non-blocking all-reduce (element-wise max of the signals and costs, and the earliest spike
 onset any rank confirmed) is started at step t and consumed at step t + 1, so all ranks take
-the same decision without a barrier. At restore, one all-gather of each rank's newest
-candidate steps and one all-reduce (minimum) per step tried, so every rank loads the same step
-or every rank raises.
+the same decision without a barrier; a policy whose extra signals combine by sum adds a second
+one, for those. Which signals there are, and how each combines, is the scheduler's
+:class:`~ckptpilot.scheduler.signal.SignalLayout`: nothing here names a signal. At restore,
+one all-gather of each rank's newest candidate steps and one all-reduce (minimum) per step
+tried, so every rank loads the same step or every rank raises.
 
 It must not decide anything: it only combines what each rank brings. Threading: the training
 thread only (collectives are issued in the same order on every rank).
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from ckptpilot.errors import CkptPilotError
-from ckptpilot.scheduler.adaptive import SIGNAL_KEYS
+from ckptpilot.scheduler.signal import SignalLayout
 from ckptpilot.scheduler.spike import Spike
 
 __all__ = ["COST_KEYS", "AnotherRankFailed", "RankAgreement"]
@@ -54,31 +56,46 @@ class RankAgreement:
         self._device = collective_device()
         self._buffer: torch.Tensor | None = None
         self._work: Any = None
+        self._summed: torch.Tensor | None = None  # the pending sum, for signals that add up
+        self._summed_work: Any = None
         self._local_spike: tuple[int, str] | None = None  # sent in the pending reduction
 
     # -- per step --------------------------------------------------------------------------
 
-    def start(self, signals: Mapping[str, float], costs: Mapping[str, float | None],
-              spike: Spike | None) -> None:
-        """Start this step's reduction; :meth:`take` consumes it at the next step."""
-        values = [signals[k] for k in SIGNAL_KEYS]
+    def start(self, layout: SignalLayout, signals: Mapping[str, float],
+              costs: Mapping[str, float | None], spike: Spike | None) -> None:
+        """Start this step's reduction of ``signals`` (keyed as ``layout`` says, the same on
+        every rank); :meth:`take` consumes it at the next step."""
+        values = [signals[k] for k in layout.maxed]
         values += [-1.0 if costs[k] is None else float(costs[k]) for k in COST_KEYS]  # type: ignore[arg-type]
         values.append(_NO_ONSET if spike is None else -float(spike.onset))
         self._local_spike = None if spike is None else (spike.onset, spike.reason)
         self._buffer = torch.tensor(values, dtype=torch.float64, device=self._device)
         self._work = torch.distributed.all_reduce(
             self._buffer, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        if layout.summed:
+            self._summed = torch.tensor([signals[k] for k in layout.summed],
+                                        dtype=torch.float64, device=self._device)
+            self._summed_work = torch.distributed.all_reduce(
+                self._summed, op=torch.distributed.ReduceOp.SUM, async_op=True)
 
-    def take(self) -> tuple[dict[str, float], dict[str, float | None], tuple[int, str] | None]:
-        """The element-wise max over ranks of the previous step's signals and costs, and the
-        earliest onset of a spike any rank confirmed then (zeros and no spike right after a
-        start, a restore or :meth:`drop`, on every rank alike)."""
-        n, m = len(SIGNAL_KEYS), len(SIGNAL_KEYS) + len(COST_KEYS)
+    def take(self, layout: SignalLayout
+             ) -> tuple[dict[str, float], dict[str, float | None], tuple[int, str] | None]:
+        """The previous step's signals combined over ranks (the max, or the sum for the keys
+        ``layout`` sums), the max of its costs, and the earliest onset of a spike any rank
+        confirmed then (zeros and no spike right after a start, a restore or :meth:`drop`,
+        on every rank alike)."""
+        n = len(layout.maxed)
+        m = n + len(COST_KEYS)
         if self._work is None:
-            return dict.fromkeys(SIGNAL_KEYS, 0.0), dict.fromkeys(COST_KEYS), None
+            return (dict.fromkeys(layout.maxed + layout.summed, 0.0), dict.fromkeys(COST_KEYS),
+                    None)
         self._work.wait()
         agreed = self._buffer.tolist()  # type: ignore[union-attr]
-        signals = dict(zip(SIGNAL_KEYS, agreed[:n], strict=True))
+        signals = dict(zip(layout.maxed, agreed[:n], strict=True))
+        if self._summed_work is not None:
+            self._summed_work.wait()
+            signals.update(zip(layout.summed, self._summed.tolist(), strict=True))  # type: ignore[union-attr]
         costs = {k: (v if v > 0 else None) for k, v in zip(COST_KEYS, agreed[n:m], strict=True)}
         spike = None
         if agreed[m] > _NO_ONSET:
@@ -93,6 +110,9 @@ class RankAgreement:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._summed_work is not None:
+            self._summed_work.wait()
+            self._summed_work = None
 
     # -- restore ---------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ import string
 from collections.abc import Hashable
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import fsspec
 import yaml
@@ -52,6 +52,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ImportString,
     PrivateAttr,
     ValidationError,
     model_validator,
@@ -66,6 +67,7 @@ __all__ = [
     "BestMetricPolicy",
     "CodecName",
     "CodecsPolicy",
+    "ExtraSignalPolicy",
     "GradSignalPolicy",
     "HeartbeatPolicy",
     "LevelsPolicy",
@@ -106,6 +108,8 @@ _MAX_SIGNAL_WINDOW = 1000
 _MAX_SIGNAL_SPAN = 1000
 """Spans of the scheduler's signal EWMAs: one that needs longer to follow a change is no
 signal (the state is a few floats whatever the span)."""
+_MAX_EXTRA_SIGNALS = 16
+"""Signals beyond the built-in ones: each is measured, and sent to the other ranks, per step."""
 _MAX_COUNT = 100_000
 """Counts of steps, probes or checkpoints (``organ_every``, ``*_keep``)."""
 _MAX_SECONDS = 86_400.0
@@ -133,6 +137,10 @@ _MAX_INT_CHARS = 64
 """Longer integer literals are refused before ``int()``, which stops at 4300 digits."""
 
 _BYTE_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
+_SIGNAL_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_BUILT_IN_SIGNALS = ("loss", "grad", "system", "hard_errors", "non_finite")
+"""Keys of the scheduler's own signals and channels, which an extra signal cannot take."""
+_FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*[:.][A-Za-z_][\w.]*", re.ASCII)
 _ENDPOINT_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
 
 
@@ -272,26 +280,62 @@ class _Section(BaseModel):
 
 
 class SchedulerWeights(_Section):
-    """Weights of the three signals in the health score; non-negative, summing to 1."""
+    """Weights of the built-in signals in the health score; each non-negative.
+
+    With ``scheduler.extra_signals``' weights they sum to 1: the scheduler section checks the
+    sum, since only it sees both."""
 
     loss: float = 0.4
     grad: float = 0.35
     system: float = 0.25
 
     @model_validator(mode="after")
-    def _check_sum(self) -> Self:
+    def _check_non_negative(self) -> Self:
         weights = {"loss": self.loss, "grad": self.grad, "system": self.system}
         negative = [name for name, weight in weights.items() if weight < 0]
         if negative:
             raise _KeyedError("", f"weights must not be negative ({', '.join(negative)})")
-        total = sum(weights.values())
-        if abs(total - 1.0) > 1e-6:
-            terms = " + ".join(f"{weight:g}" for weight in weights.values())
-            raise _KeyedError(
-                "",
-                f"loss + grad + system must sum to 1, got {terms} = {total:g} "
-                "(a weight left out keeps its default); rescale them",
-            )
+        return self
+
+
+def _check_factory_text(value: object) -> object:
+    if isinstance(value, str) and (len(value) > _MAX_NAME_CHARS
+                                   or not _FACTORY_RE.fullmatch(value)):
+        raise ValueError(
+            f"{_brief(value)} is no import path; write 'package.module:ClassName' (at most "
+            f"{_MAX_NAME_CHARS} characters)")
+    return value
+
+
+class ExtraSignalPolicy(_Section):
+    """A signal beyond loss, grad and system (``scheduler.extra_signals.<name>``).
+
+    ``factory``: the class that measures it, as ``"package.module:ClassName"``; it implements
+    ``ckptpilot.scheduler.signal.Signal``. The module is imported when the policy loads, as an
+    ``import`` statement would, so name only modules you trust. ``weight``: its weight in the
+    score (the weights of all signals sum to 1). ``params``: checked against the class's
+    pydantic model ``Params`` when the policy loads and handed to the class; a class without
+    ``Params`` takes none.
+    """
+
+    factory: Annotated[ImportString[Any], BeforeValidator(_check_factory_text)]
+    weight: float = Field(ge=0, le=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_params(self) -> Self:
+        model = getattr(self.factory, "Params", None)
+        if model is None:
+            if self.params:
+                raise _KeyedError("params", f"{_brief(self.factory)} takes no params (it has "
+                                  "no Params model); remove them")
+            return self
+        try:
+            model.model_validate(self.params)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise _KeyedError(f"params.{where}" if where else "params", error["msg"]) from None
         return self
 
 
@@ -406,8 +450,41 @@ class SchedulerPolicy(_Section):
     loss: LossSignalPolicy = Field(default_factory=LossSignalPolicy)
     grad: GradSignalPolicy = Field(default_factory=GradSignalPolicy)
     system: SystemSignalPolicy = Field(default_factory=SystemSignalPolicy)
+    # Left out of dumps while empty: a policy without extra signals dumps as before, and
+    # the reference file, which lists every key, needs no entry for an empty mapping.
+    extra_signals: dict[str, ExtraSignalPolicy] = Field(
+        default_factory=dict, max_length=_MAX_EXTRA_SIGNALS, exclude_if=lambda value: not value)
     organ_every: int = Field(10, ge=1, le=_MAX_COUNT)
     young_daly: bool = True
+
+    def __hash__(self) -> int:
+        # By value like every section, but ``extra_signals`` is a dict: its names stand for
+        # it (equal policies have equal names, which is all a hash needs).
+        return hash(tuple(tuple(v) if isinstance(v, dict) else v for v in self.__dict__.values()))
+
+    @model_validator(mode="after")
+    def _check_signals(self) -> Self:
+        for name in self.extra_signals:
+            if name in _BUILT_IN_SIGNALS or not _SIGNAL_NAME_RE.fullmatch(name):
+                raise _KeyedError(
+                    f"extra_signals.{name}",
+                    f"{_brief(name)} cannot name a signal: use lowercase letters, digits and "
+                    f"'_' (at most 64, starting with a letter), other than "
+                    f"{', '.join(_BUILT_IN_SIGNALS)}")
+        weights = {"loss": self.weights.loss, "grad": self.weights.grad,
+                   "system": self.weights.system}
+        weights.update({f"extra_signals.{name}.weight": entry.weight
+                        for name, entry in self.extra_signals.items()})
+        total = sum(weights.values())
+        if abs(total - 1.0) > 1e-6:
+            names = " + ".join(weights)
+            terms = " + ".join(f"{weight:g}" for weight in weights.values())
+            raise _KeyedError(
+                "weights",
+                f"{names} must sum to 1, got {terms} = {total:g} "
+                "(a weight left out keeps its default); rescale them",
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_intervals(self) -> Self:
@@ -986,15 +1063,21 @@ def _yaml_path(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] |
     parts: list[str] = []
     model: type[BaseModel] | None = Policy
     parent: type[BaseModel] | None = None
+    named = False  # the next item names an entry of a mapping of sections
     for item in loc:
         if model is None:
             if isinstance(item, int) and parts:
                 parts[-1] += f"[{item}]"
             continue
+        if named:  # ``scheduler.extra_signals.<name>``: the name is the user's key
+            parts.append(str(item))
+            named = False
+            continue
         parent = model
         name, field = _field(model, str(item))
         parts.append(name)
         model = _model_of(field.annotation) if field is not None else None
+        named = field is not None and model is not None and get_origin(field.annotation) is dict
     return parts, parent
 
 

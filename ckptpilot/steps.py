@@ -112,10 +112,12 @@ class StepDecider:
             # Decide from the signals agreed over the previous step, then measure this one
             # and start its reduction: measuring after deciding lets an emergency decision
             # reset the hard-error reference before the next reduction carries it again.
-            signals, agreed_costs, self.spike = self._agreement.take()
+            layout = scheduler.layout
+            signals, agreed_costs, self.spike = self._agreement.take(layout)
             scheduler.set_cost_model(**agreed_costs)
             decision = scheduler.decide_from(step, signals)
-            self._agreement.start(scheduler.measure(step, loss, grad, system), costs, spike)
+            self._agreement.start(layout, scheduler.measure(step, loss, grad, system), costs,
+                                  spike)
         else:
             local = scheduler.measure(step, loss, grad, system)
             scheduler.set_cost_model(**costs)

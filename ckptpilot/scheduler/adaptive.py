@@ -1,8 +1,10 @@
 """The adaptive checkpoint scheduler: when to save, at which level, kept for how long (SPEC §4).
 
 This module owns :class:`AdaptiveCheckpointScheduler`, the pure decision at each step boundary:
-from the loss, the gradient-norm probes and a health reading it derives three signals, a
-score, the interval in force, and whether a pulse or organ is due now. It also owns the save
+it feeds the loss, the gradient-norm probes and a health reading to its signals (the built-in
+loss and grad signals and a policy's extra ones, all behind the protocol of ``signal.py``),
+adds the system channel, and derives a score, the interval in force, and whether a pulse or
+organ is due now. It also owns the save
 bookkeeping the decision depends on (last save step, saves since the last organ, the hard-error
 reading last acted on, whether the score trigger is armed, whether a health alarm is on).
 
@@ -17,18 +19,21 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from math import isfinite
 
 from ckptpilot.policy import RetentionPolicy, SchedulerPolicy
 from ckptpilot.scheduler.decision import CheckpointDecision, Level, RetentionClass, SystemHealth
 from ckptpilot.scheduler.interval import daly_interval
-from ckptpilot.scheduler.signals import PRECURSOR_SIGNAL, GradActivity, Hazard, LossChange
+from ckptpilot.scheduler.signal import SCHEDULER_KEYS, SignalLayout, build_signals, layout_of
+from ckptpilot.scheduler.signals import PRECURSOR_SIGNAL, Hazard
 
 __all__ = ["MAX_SCORE_REDUCTION", "SIGNAL_KEYS", "AdaptiveCheckpointScheduler"]
 
 log = logging.getLogger("ckptpilot")
 
-SIGNAL_KEYS = ("loss", "grad", "system", "hard_errors", "non_finite")
-"""Keys of :meth:`AdaptiveCheckpointScheduler.measure`; a fixed order for the cross-rank max."""
+SIGNAL_KEYS = ("loss", "grad", *SCHEDULER_KEYS)
+"""Keys of :meth:`AdaptiveCheckpointScheduler.measure` without extra signals, in its order;
+:attr:`AdaptiveCheckpointScheduler.signal_keys` gives them with a policy's extra signals."""
 
 _NEW = object.__new__
 
@@ -46,25 +51,27 @@ class AdaptiveCheckpointScheduler:
        forced ``pilot.save``), call :meth:`note_save` so the interval counts from there;
     3. whenever the save cost, MTBF or step time is (re)measured, :meth:`set_cost_model`;
     4. per step, :meth:`decide` — or, in a distributed run, :meth:`measure` on every rank,
-       an element-wise max of the returned signals over ranks (one tiny collective, keys in
-       :data:`SIGNAL_KEYS` order), then :meth:`decide_from` with the agreed signals. Every
-       rank then holds the same bookkeeping and takes the same decision.
+       the measurements combined over ranks as :attr:`layout` says (element-wise max, or sum
+       for a signal that declares it; ``agreement.py``), then :meth:`decide_from` with the
+       agreed values. Every rank then holds the same bookkeeping and takes the same decision.
 
     Rules (SPEC §4), with the choices the spec leaves open. Against failures that strike at
     random, evenly spaced saves lose the least for their number, so every save off the beat
     must buy something: only a sign that a crash or a loss spike is coming moves one.
 
-    * score = w_loss·loss + w_grad·grad + w_system·system, each signal clamped to [0, 1]
-      (NaN counts as 0): the unusualness of the step, logged, and what the trigger tests.
+    * score = Σ w_s·s over the signals s (loss, grad, then the extra ones, in that order)
+      + w_system·system, each value clamped to [0, 1] (NaN counts as 0): the unusualness of
+      the step, logged, and what the trigger tests.
     * health = the part of the system signal the training signals do not explain: the
-      scheduler keeps its own hazard of the steps where the (agreed) loss or grad signal
-      reached 0.5 or a value was non-finite, over ``system.hazard_window_steps``, and health
-      is the system signal where it exceeds that hazard, else 0 — a health probe's reading,
-      or the hazard a health reading left.
-    * interval = clamp(round_half_up(base·(1 − min(w_grad·grad + w_system·health, 0.95))),
-      min_interval, max_interval), ``base`` being :attr:`base_interval`. The loss signal
-      and the hazard it raises do not shorten it: a loss that moves (a faster descent, a
-      plateau, a spike already under way) is no warning of a crash, and the saves it would
+      scheduler keeps its own hazard of the steps where an (agreed) signal reached 0.5 or a
+      value was non-finite, over ``system.hazard_window_steps``, and health is the system
+      signal where it exceeds that hazard, else 0 — a health probe's reading, or the hazard
+      a health reading left.
+    * interval = clamp(round_half_up(base·(1 − min(Σ w_s·s + w_system·health, 0.95))),
+      min_interval, max_interval), the sum over the signals that declare
+      ``shortens_interval`` (grad, not loss), ``base`` being :attr:`base_interval`. The loss
+      signal and the hazard it raises do not shorten it: a loss that moves (a faster descent,
+      a plateau, a spike already under way) is no warning of a crash, and the saves it would
       add cluster where uniform failures punish clustering most.
     * A save is due when ``step − last save step ≥ interval``. A score reaching
       ``trigger_threshold`` saves at once, on the rising edge only, and only when at least
@@ -95,21 +102,26 @@ class AdaptiveCheckpointScheduler:
       (see ``signals.py``), but the loss signal is 1 for that step and both hazard windows
       start: the system signal stays raised for a while, and none of it reads as health.
     * Retention class from the score at save time: ≥ ``critical_score`` critical,
-      ≥ ``important_score`` important, else routine; emergency saves are critical. While the
-      loss signal is at or above 0.5 a save is at most important: the loss may already be in
-      a spike's excursion, and a possibly damaged state must not be kept forever (the pilot
-      promotes the save before a confirmed spike's onset, the one a rollback returns to).
+      ≥ ``important_score`` important, else routine; emergency saves are critical. While a
+      signal that declares ``marks_damage`` (the loss signal) is at or above 0.5 a save is at
+      most important: the loss may already be in a spike's excursion, and a possibly damaged
+      state must not be kept forever (the pilot promotes the save before a confirmed spike's
+      onset, the one a rollback returns to).
     """
 
     def __init__(self, policy: SchedulerPolicy, retention: RetentionPolicy | None = None) -> None:
         self.policy = policy
         self.retention = RetentionPolicy() if retention is None else retention
-        self._loss = LossChange(policy.loss)
-        self._grad = GradActivity(policy.grad)
+        signals = self._signals = build_signals(policy)
+        self._layout = layout_of(signals)
+        # Per step, the signals are read through these tuples (bound methods and policy
+        # values resolved once): attribute chains cost on this path.
+        self._measures = tuple((s.name, s.signal.measure) for s in signals)
+        self._scored = tuple((s.name, s.weight, s.signal.shortens_interval,
+                              s.signal.marks_damage) for s in signals)
         self._hazard = Hazard(policy.system.hazard_window_steps)
         self._training_hazard = Hazard(policy.system.hazard_window_steps)
-        weights = policy.weights
-        self._w_loss, self._w_grad, self._w_system = weights.loss, weights.grad, weights.system
+        self._w_system = policy.weights.system
         # Policy values read at every step, copied once (attribute chains cost on this path).
         self._min_interval = policy.min_interval
         self._max_interval = policy.max_interval
@@ -135,6 +147,17 @@ class AdaptiveCheckpointScheduler:
     def base_interval(self) -> int:
         """The base interval in force: ``base_interval``, capped by the Young/Daly bound."""
         return self._base
+
+    @property
+    def signal_keys(self) -> tuple[str, ...]:
+        """Keys of :meth:`measure`'s result, in its order: the signals (loss, grad, then the
+        policy's ``extra_signals``), then ``system``, ``hard_errors`` and ``non_finite``."""
+        return (*(s.name for s in self._signals), *SCHEDULER_KEYS)
+
+    @property
+    def layout(self) -> SignalLayout:
+        """How the ranks combine each key of :meth:`measure`'s result (the agreement's input)."""
+        return self._layout
 
     @property
     def last_save_step(self) -> int:
@@ -202,9 +225,12 @@ class AdaptiveCheckpointScheduler:
 
     def restart(self, step: int) -> None:
         """The run was restored to ``step``: a precursor seen after it keeps the hazard
-        raised from ``step`` on (a rollback returns to just before the trouble)."""
+        raised from ``step`` on (a rollback returns to just before the trouble), and every
+        signal is told (:meth:`Signal.restart <ckptpilot.scheduler.signal.Signal.restart>`)."""
         self._hazard.restart(step)
         self._training_hazard.restart(step)
+        for weighted in self._signals:
+            weighted.signal.restart(step)
 
     def note_save(self, step: int, level: Level | str) -> None:
         """Record a save the scheduler did not decide (forced, or the restored checkpoint)."""
@@ -220,55 +246,53 @@ class AdaptiveCheckpointScheduler:
         grad_norm: float | None = None,
         system: SystemHealth | None = None,
     ) -> dict[str, float]:
-        """Update the trackers with this rank's values and return its signals.
+        """Feed this rank's values to every signal and return its measurement.
 
         ``loss=None`` (a loop that reports no loss) leaves the loss signal where it was.
 
         ``grad_norm`` is a probe: pass it only on the steps where it was measured (every
         ``grad.probe_every`` optimizer steps), ``None`` otherwise. ``system=None`` means no
         health reading: the system signal is the hazard alone, and the hard-error count is
-        the last reading's. The result maps :data:`SIGNAL_KEYS` to floats: ``loss``/``grad``/
-        ``system`` in [0, 1], ``hard_errors`` the hard errors not yet acted on by an
-        emergency save, ``non_finite`` 1.0 when the loss or grad norm was NaN or infinite (it
-        was then kept out of the trackers; a non-finite loss is a loss signal of 1).
-        ``system`` is the larger of the health reading's signal and the hazard: a precursor
-        (a signal at or above 0.5, or a non-finite value) at this step or within the last
+        the last reading's. The result maps :attr:`signal_keys` to floats: each signal's
+        value (``loss``, ``grad`` and the extra signals, in [0, 1]), ``system`` in [0, 1],
+        ``hard_errors`` the hard errors not yet acted on by an emergency save, ``non_finite``
+        1.0 when the loss or grad norm was NaN or infinite (the signals keep it out of their
+        estimates; a non-finite loss is a loss signal of 1). ``system`` is the larger of the
+        health reading's signal and the hazard: a precursor (a signal or a health reading at
+        or above 0.5, or a non-finite value) at this step or within the last
         ``system.hazard_window_steps`` steps.
         """
         problem = None
-        loss_bad = loss is not None and not self._loss.update(loss)
-        if loss_bad:
+        if loss is not None and not isfinite(loss):
             problem = f"loss ({float(loss)})"
-        if grad_norm is not None and not self._grad.update(grad_norm):
+        if grad_norm is not None and not isfinite(grad_norm):
             grad_problem = f"grad norm ({float(grad_norm)})"
             problem = grad_problem if problem is None else f"{problem} and {grad_problem}"
         if problem is not None:
             self._non_finite_note = (step, problem)
-        loss_signal = 1.0 if loss_bad else self._loss.signal
-        grad_signal = self._grad.signal
+        precursor = problem is not None
+        measured = {}
+        for name, measure in self._measures:
+            value = measured[name] = measure(step, loss, grad_norm, system)
+            if value >= PRECURSOR_SIGNAL:
+                precursor = True
         health_signal = 0.0
         if system is not None:
-            health_signal = _unit(system.signal)
+            health_signal = system.signal  # clamped inline, NaN as 0, as in decide_from
+            health_signal = ((1.0 if health_signal > 1.0 else float(health_signal))
+                             if health_signal > 0.0 else 0.0)
+            if health_signal >= PRECURSOR_SIGNAL:
+                precursor = True
             hard = self._hard_errors_reading = system.hard_errors
             # A reading below the reference means the probe restarted: start from it.
             acted = self._hard_errors_acted_on
             self._hard_errors_acted_on = hard if hard < acted else acted
-        # Comparisons rather than max(): this runs on the training thread at every step.
-        precursor = (
-            problem is not None
-            or loss_signal >= PRECURSOR_SIGNAL
-            or grad_signal >= PRECURSOR_SIGNAL
-            or health_signal >= PRECURSOR_SIGNAL
-        )
         hazard = self._hazard.update(step, precursor)
         hard_errors = self._hard_errors_reading - self._hard_errors_acted_on
-        return {
-            "loss": loss_signal,
-            "grad": grad_signal,
-            "system": hazard if hazard > health_signal else health_signal,
-            "hard_errors": float(hard_errors) if hard_errors else 0.0,
-            "non_finite": 0.0 if problem is None else 1.0,
-        }
+        measured["system"] = hazard if hazard > health_signal else health_signal
+        measured["hard_errors"] = float(hard_errors) if hard_errors else 0.0
+        measured["non_finite"] = 0.0 if problem is None else 1.0
+        return measured
 
     def decide(
         self,
@@ -281,42 +305,55 @@ class AdaptiveCheckpointScheduler:
         return self.decide_from(step, self.measure(step, loss, grad_norm, system))
 
     def decide_from(self, step: int, signals: Mapping[str, float]) -> CheckpointDecision:
-        """Decide for ``step`` from signals (this rank's, or the element-wise max over ranks).
+        """Decide for ``step`` from a measurement (this rank's, or the ranks' combined).
 
-        A decided save updates the bookkeeping at once: the scheduler takes it as done. A
-        caller that ends up saving something else (or at another step) reports that through
-        :meth:`note_save`.
+        ``signals`` holds every key of :attr:`signal_keys`. A decided save updates the
+        bookkeeping at once: the scheduler takes it as done. A caller that ends up saving
+        something else (or at another step) reports that through :meth:`note_save`.
         """
-        # Clamped inline (NaN counts as 0): this runs on the training thread at every step.
-        loss = signals["loss"]
-        loss = (1.0 if loss > 1.0 else float(loss)) if loss > 0.0 else 0.0
-        grad = signals["grad"]
-        grad = (1.0 if grad > 1.0 else float(grad)) if grad > 0.0 else 0.0
-        system = signals["system"]
-        system = (1.0 if system > 1.0 else float(system)) if system > 0.0 else 0.0
         new_hard_errors = signals["hard_errors"]
         if new_hard_errors:
             new_hard_errors = float(new_hard_errors)
             if not (math.isfinite(new_hard_errors) and new_hard_errors >= 0):
                 raise ValueError(f"hard_errors must be a count >= 0, got {new_hard_errors!r}")
         non_finite = signals["non_finite"] > 0
-        training_precursor = non_finite or loss >= PRECURSOR_SIGNAL or grad >= PRECURSOR_SIGNAL
+        # The sums run in signal order, then the system term: the same floats on every rank.
+        score = shortening = 0.0
+        training_precursor = non_finite
+        damaged = False
+        clean = {}
+        for name, weight, shortens, marks_damage in self._scored:
+            # Clamped inline (NaN counts as 0): this runs on the training thread every step.
+            value = signals[name]
+            if value > 0.0:
+                value = clean[name] = 1.0 if value > 1.0 else float(value)
+                weighted = weight * value
+                score += weighted
+                if shortens:
+                    shortening += weighted
+                if value >= PRECURSOR_SIGNAL:
+                    training_precursor = True
+                    if marks_damage:
+                        damaged = True
+            else:
+                clean[name] = 0.0
+        system = signals["system"]
+        system = clean["system"] = (1.0 if system > 1.0 else float(system)) if system > 0.0 else 0.0
         training_hazard = self._training_hazard.update(step, training_precursor)
         health = system if system > training_hazard else 0.0
         alarm = health >= self._alarm_signal
-        score = self._w_loss * loss + self._w_grad * grad + self._w_system * system
+        score += self._w_system * system
         if alarm:
             interval = self._min_interval
         else:
-            shortening = self._w_grad * grad + self._w_system * health
+            shortening += self._w_system * health
             interval = self._interval_for(shortening) if shortening else self._quiet_interval
-        if score >= self._critical_score and loss < PRECURSOR_SIGNAL:
+        if score >= self._critical_score and not damaged:
             klass = RetentionClass.CRITICAL
         elif score >= self._important_score:
             klass = RetentionClass.IMPORTANT
         else:
             klass = RetentionClass.ROUTINE
-        clean = {"loss": loss, "grad": grad, "system": system}
 
         if non_finite:
             reason = self._non_finite_reason(step)
@@ -410,9 +447,3 @@ class AdaptiveCheckpointScheduler:
             return f"non-finite {note[1]} at step {step}"
         return f"non-finite loss or grad norm on another rank at step {step}"
 
-
-def _unit(value: float) -> float:
-    """Clamp a signal to [0, 1]; NaN (never a valid signal) counts as 0."""
-    if not value > 0.0:
-        return 0.0
-    return 1.0 if value > 1.0 else float(value)

@@ -38,7 +38,8 @@ class CheckpointDecision:
 
     ``save`` says whether a pulse or organ is due now; ``level`` is set only when ``save``.
     ``interval`` is the interval in steps in force after this step; ``signals`` maps
-    ``loss``/``grad``/``system`` to their values in [0, 1]; ``reason`` is a short
+    ``loss``, ``grad``, the policy's extra signals and ``system`` to the values in [0, 1] the
+    decision used; ``reason`` is a short
     human-readable phrase naming what drove the decision (``interval``, ``trigger``,
     ``emergency``, ``non-finite loss`` …). ``spike_onset`` is set (by the pilot) at the step
     where a loss spike starting at that step was confirmed; ``rollback_to`` when the pilot

@@ -2,8 +2,10 @@
 
 This module owns :class:`LossChange`, :class:`GradActivity` and :class:`Hazard`: small stateful
 trackers that turn a stream of losses, gradient-norm probes and precursor events into graded
-signals in [0, 1]. Each keeps a handful of floats, and a step costs a handful of float
-operations (no window, no sort): they run on the training thread at every step.
+signals in [0, 1]. The first two are the built-in scheduler signals: each implements the
+:class:`~ckptpilot.scheduler.signal.Signal` protocol, as an extra signal of a policy does. Each
+keeps a handful of floats, and a step costs a handful of float operations (no window, no sort):
+they run on the training thread at every step.
 
 Why the signals are scale-free: both trackers work on the log of their input and judge each
 new value by a robust z-score against the tracker's *own* recent history: a center and a
@@ -33,8 +35,10 @@ Threading: a tracker belongs to one thread (the training thread, through the sch
 from __future__ import annotations
 
 from math import erfc, exp, inf, isfinite, log10, pi, sqrt
+from typing import ClassVar, Literal
 
 from ckptpilot.policy import GradSignalPolicy, LossSignalPolicy
+from ckptpilot.scheduler.decision import SystemHealth
 
 __all__ = [
     "GRAD_EPSILON",
@@ -176,6 +180,10 @@ class LossChange:
         "_z_low",
     )
 
+    combine: ClassVar[Literal["max"]] = "max"
+    shortens_interval: ClassVar[bool] = False
+    marks_damage: ClassVar[bool] = True
+
     def __init__(self, policy: LossSignalPolicy) -> None:
         level_rate = ewma_rate(policy.level_span_steps)
         self._lag = 1.0 / level_rate - 1.0
@@ -233,30 +241,45 @@ class LossChange:
         return self._signal
 
     def update(self, loss: float) -> bool:
-        """Feed one step's loss; False for a NaN or infinite loss (nothing changes: the
-        scheduler reports that step's loss signal as 1).
+        """Feed one step's loss; False for a NaN or infinite loss, which changes nothing.
 
-        A loss of exactly 0 (a fully masked batch, a hinge loss met) is no reading: its log
-        lies decades below any other and would read as a jump. Raises ``ValueError`` for a
+        The same as :meth:`measure`, for a caller that reads :attr:`signal` itself.
+        """
+        if not isfinite(float(loss)):
+            return False
+        self.measure(0, loss, None, None)
+        return True
+
+    def measure(self, step: int, loss: float | None, grad_norm: float | None,
+                system: SystemHealth | None) -> float:
+        """Feed this step's loss and return the signal (a
+        :class:`~ckptpilot.scheduler.signal.Signal`; only ``loss`` is read).
+
+        ``loss=None`` (the loop reported none) changes nothing. A NaN or infinite loss is
+        divergence: 1.0 for this step, and the estimates stay exactly as they were. A loss of
+        exactly 0 (a fully masked batch, a hinge loss met) is no reading either: its log lies
+        decades below any other and would read as a jump. Raises ``ValueError`` for a
         negative loss: its log is undefined, and clamping it would invent a change. Pass a
         non-negative training objective (cross-entropy, MSE …).
         """
+        if loss is None:
+            return self._signal
         value = float(loss)
         if not 0.0 < value < inf:
             if not isfinite(value):
-                return False
+                return 1.0
             if value < 0.0:
                 raise ValueError(
                     f"loss must be >= 0 for the log10 loss-change signal, got {value!r}; "
                     "pass a non-negative objective to observe()"
                 )
-            return True
+            return self._signal
         x = log10(value)
         if self._warm_up:  # counts down to 0: one test per step once warm
             self._warm_up -= 1
             self._accepted += 1
             self._warm(x, self._accepted)
-            return True
+            return self._signal
         level = self._level
         center = self._center
         slope = (x - level) * self._inverse_lag
@@ -290,7 +313,7 @@ class LossChange:
         if size <= self._quiet and not self._drift:
             if self._signal:
                 self._signal = 0.0
-            return True  # the common, quiet step: both CUSUMs stay at 0, no jump
+            return 0.0  # the common, quiet step: both CUSUMs stay at 0, no jump
         allowance, high = self._drift_allowance, self._drift_high
         capped = z_high if z > z_high else -z_high if z < -z_high else z
         rising = self._rising + capped - allowance
@@ -304,7 +327,12 @@ class LossChange:
             self._signal = max(
                 graded(size, self._z_low, z_high), graded(drift, self._drift_low, high)
             )
-        return True
+        return self._signal
+
+
+    def restart(self, step: int) -> None:
+        """Keeps the estimates: the steps replayed from ``step`` continue the dynamics they
+        describe, and starting over would leave the signal blind for a warm-up."""
 
     def _warm(self, x: float, accepted: int) -> None:
         """Warm-up: the level is the plain mean of the first ``level_span_steps`` values (it
@@ -390,6 +418,10 @@ class GradActivity:
         "_z_low",
     )
 
+    combine: ClassVar[Literal["max"]] = "max"
+    shortens_interval: ClassVar[bool] = True
+    marks_damage: ClassVar[bool] = False
+
     def __init__(self, policy: GradSignalPolicy) -> None:
         self._z_low = policy.z_low
         self._z_high = policy.z_high
@@ -434,14 +466,30 @@ class GradActivity:
         return self._signal
 
     def update(self, grad_norm: float) -> bool:
-        """Feed one probe; False (state untouched) when it is NaN or infinite.
+        """Feed one probe; False for a NaN or infinite one, which changes nothing.
 
-        Raises ``ValueError`` for a negative value: a norm never is; pass the global L2 norm.
+        The same as :meth:`measure`, for a caller that reads :attr:`signal` itself.
         """
+        if not isfinite(float(grad_norm)):
+            return False
+        self.measure(0, None, grad_norm, None)
+        return True
+
+    def measure(self, step: int, loss: float | None, grad_norm: float | None,
+                system: SystemHealth | None) -> float:
+        """Feed this step's probe, if any, and return the signal (a
+        :class:`~ckptpilot.scheduler.signal.Signal`; only ``grad_norm`` is read).
+
+        The signal holds its value between probes (``grad_norm=None``) and over a NaN or
+        infinite probe, which changes nothing. Raises ``ValueError`` for a negative value: a
+        norm never is; pass the global L2 norm.
+        """
+        if grad_norm is None:
+            return self._signal
         value = float(grad_norm)
         if not 0.0 <= value < inf:
             if not isfinite(value):
-                return False
+                return self._signal
             raise ValueError(
                 f"grad_norm must be >= 0 (a norm), got {value!r}; pass the global L2 norm "
                 "of the gradients"
@@ -449,7 +497,7 @@ class GradActivity:
         y = log10(value + GRAD_EPSILON)
         if self._warm_up:  # counts down to 0: one test per probe once warm
             self._warm(y)
-            return True
+            return self._signal
         deviation = y - self._center
         spread = self._spread
         deadband = self._deadband
@@ -471,7 +519,7 @@ class GradActivity:
         if z <= self._quiet and not self._cusum:
             if self._signal:
                 self._signal = 0.0
-            return True  # the common, quiet probe: C stays at 0, no deviation
+            return 0.0  # the common, quiet probe: C stays at 0, no deviation
         allowance = self._allowance
         # z capped at z_high: one probe, however far out (an infinite z after a flat stretch),
         # adds a bounded amount; C capped at growth_high, where the signal is already 1, so a
@@ -485,7 +533,11 @@ class GradActivity:
             self._signal = max(
                 graded(z, self._z_low, z_high), graded(cusum, self._growth_low, growth_high)
             )
-        return True
+        return self._signal
+
+
+    def restart(self, step: int) -> None:
+        """Keeps the estimates, as :meth:`LossChange.restart` does."""
 
     def _warm(self, y: float) -> None:
         """Warm-up: the center and the spread are plain means of the probes so far."""
