@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import TextIO
 
 from ckptpilot.catalog import write_pin
+from ckptpilot.dcp.format import parse_dcp_name
+from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
+from ckptpilot.dcp.storage import read_manifest as read_dcp_manifest
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
@@ -105,9 +108,10 @@ class Run:
 
     def unfinished(self) -> list[str]:
         """Saves a killed writer left: staging directories, and on an object store the
-        checkpoint directories whose manifest was never written."""
+        checkpoint directories (archives, DCP) whose manifest was never written."""
         return [name for name in self.remote.list() if STAGING_MARK in name or (
-            parse_checkpoint_name(name) is not None and not self.remote.committed(name))]
+            (parse_checkpoint_name(name) is not None or parse_dcp_name(name) is not None)
+            and not self.remote.committed(name))]
 
     @staticmethod
     def entry(row: CheckpointRow) -> str:
@@ -137,6 +141,8 @@ def ls(policy: Policy, out: TextIO) -> int:
                        "age", "metric"), out)
     known = {(r.step, r.rank) for r in rows}
     missing = [n for s, rk, n in run.published() if (s, rk) not in known]
+    located = {Run.entry(r) for r in rows}  # every rank's row of a DCP save points at it
+    missing += [n for _, n in list_dcp(run.remote) if n not in located]
     if missing:
         print(f"{len(missing)} published checkpoint(s) have no metadata row (e.g. "
               f"{missing[0]}); `ckptpilot validate --rebuild` adds them", file=out)
@@ -154,10 +160,12 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
     run = Run(policy)
     with run.store(read_only=dry_run) as store:
         published = run.published()
+        dcps = list_dcp(run.remote)
         targets = [(rk, n) for s, rk, n in published if s == step]
-        if not targets:
+        dcp_target = dict(dcps).get(step)
+        if not targets and dcp_target is None:
             raise OpError(f"no published checkpoint of step {step} in {run.remote.url}")
-        plan = []
+        plan = [] if dcp_target is None else _dcp_plan(store, run, step, dcp_target, force)
         for rank, name in targets:
             row = store.get(CheckpointKey(run.run_id, step, rank, Tier.REMOTE))
             status = row.status.value if row is not None else "unknown"
@@ -172,11 +180,13 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
                               "use --force to recover it anyway")
             plan.append((step, rank, manifest["level"], status, check, run.remote.path(name)))
         later = [(s, rk, n) for s, rk, n in published if s > step]
+        later_dcp = [(s, n) for s, n in dcps if s > step]
         print(f"{'would load' if dry_run else 'will load'} on the next restore():", file=out)
         _table(plan, ("step", "rank", "level", "status", "check", "location"), out)
-        if later:
-            print(f"{'would set' if dry_run else 'setting'} aside {len(later)} later "
-                  f"checkpoint(s): {', '.join(n for _, _, n in later)}", file=out)
+        if later or later_dcp:
+            names = [n for _, _, n in later] + [n for _, n in later_dcp]
+            print(f"{'would set' if dry_run else 'setting'} aside {len(names)} later "
+                  f"checkpoint(s): {', '.join(names)}", file=out)
         if dry_run:
             print("dry run: nothing changed", file=out)
             return 0
@@ -189,6 +199,15 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
                 target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
                 store.mark(row.key, target, location=run.remote.path(aside),
                            note=f"abandoned by `ckptpilot recover --step {step}`")
+        for s, name in later_dcp:
+            rows = rows_of(store, run.run_id, s, name)
+            aside = run.remote.set_aside(name, f"abandoned-by-recover-{step}")
+            abandoned.append(aside)
+            for row in rows:
+                if row.status is not Status.EXPIRED:
+                    target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
+                    store.mark(row.key, target, location=run.remote.path(aside),
+                               note=f"abandoned by `ckptpilot recover --step {step}`")
         for row in store.rows(run.run_id, tier=Tier.PEER):
             # Peer copies of the abandoned continuation: their rows are what makes a restore
             # consider them, and the peers drop them as newer saves supersede them.
@@ -218,6 +237,30 @@ def _remover(run: Run) -> tuple[object, object]:
             run.remote.remove(name)
 
     return exists, remove
+
+
+def _dcp_plan(store: MetadataStore, run: Run, step: int, name: str,
+              force: bool) -> list[tuple[object, ...]]:
+    """The plan rows of recovering to the DCP checkpoint ``name``: verified, every rank."""
+    if force:
+        raise OpError(f"step {step} is a DCP checkpoint ({name}): --force pins a step for the "
+                      "pilot's restore(), which does not read DCP checkpoints; load it with "
+                      f"ckptpilot.dcp.Reader(run_dir, step={step}), which reads any verified step")
+    rows = {row.rank: row for row in rows_of(store, run.run_id, step, name)}
+    try:
+        manifest = read_dcp_manifest(run.remote, name)
+        verify_dcp(run.remote, name, manifest, ranks={rk: r.sha256 for rk, r in rows.items()})
+    except CheckpointFormatError as e:
+        raise OpError(f"step {step}: {name} cannot be loaded: {e}") from e
+    plan: list[tuple[object, ...]] = []
+    for rank in range(int(manifest["world_size"])):
+        status = rows[rank].status.value if rank in rows else "unknown"
+        if status not in ("valid", "unknown"):
+            raise OpError(f"step {step}, rank {rank} is {status} in the metadata; a DCP "
+                          f"checkpoint can still be read with ckptpilot.dcp.Reader(run_dir, "
+                          f"step={step})")
+        plan.append((step, rank, manifest["level"], status, "verified", run.remote.path(name)))
+    return plan
 
 
 def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
@@ -316,21 +359,17 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
             row = store.get(key)
             if row is None and rebuild and manifest is not None:
                 row = _row_from_manifest(store, run, manifest, name)
-            target = None
-            if row is not None and result_ok and row.status is Status.PENDING:
-                target = Status.VALID
-            elif row is not None and not result_ok and row.status in (Status.VALID,
-                                                                        Status.PENDING):
-                target = Status.CORRUPTED
-            if target is not None and dry_run:
-                would_mark[target] += 1
-            elif target is Status.VALID:
-                store.mark(key, target)
-            elif target is Status.CORRUPTED:
-                store.mark(key, target, note=f"validate: {reason}")
+            _settle(store, row, result_ok, reason, dry_run, would_mark)
             bad += not result_ok
             table.append((step, rank, "-" if manifest is None else manifest["level"],
                           "ok" if result_ok else "CORRUPTED", reason))
+        for check in check_published(store, run.run_id, run.remote, rebuild=rebuild):
+            row = store.get(CheckpointKey(run.run_id, check.step, check.rank, Tier.REMOTE))
+            if row is not None and Run.entry(row) == check.name:  # not another save's row
+                _settle(store, row, check.ok, check.reason, dry_run, would_mark)
+            bad += not check.ok
+            table.append((check.step, check.rank, check.level,
+                          "ok" if check.ok else "CORRUPTED", check.reason))
         if rebuild:
             store.audit("rebuild", {"checkpoints": len(table), "corrupted": bad})
     finally:
@@ -346,6 +385,25 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
         print(f"dry run: would mark {would_mark[Status.CORRUPTED]} row(s) corrupted and "
               f"{would_mark[Status.VALID]} pending row(s) valid; nothing changed", file=out)
     return 1 if bad else 0
+
+
+def _settle(store: MetadataStore, row: CheckpointRow | None, ok: bool, reason: str,
+            dry_run: bool, would_mark: dict[Status, int]) -> None:
+    """A verified checkpoint's pending row becomes valid, a failed one's live row corrupted
+    (counted instead on a dry run)."""
+    if row is None:
+        return
+    target = None
+    if ok and row.status is Status.PENDING:
+        target = Status.VALID
+    elif not ok and row.status in (Status.VALID, Status.PENDING):
+        target = Status.CORRUPTED
+    if target is not None and dry_run:
+        would_mark[target] += 1
+    elif target is Status.VALID:
+        store.mark(row.key, target)
+    elif target is Status.CORRUPTED:
+        store.mark(row.key, target, note=f"validate: {reason}")
 
 
 def _row_from_manifest(store: MetadataStore, run: Run, manifest: dict[str, object],

@@ -1,0 +1,220 @@
+"""``Reader``: a ``torch.distributed.checkpoint`` StorageReader for checkpoints written by
+:class:`~ckptpilot.dcp.Writer`, verifying every byte it uses.
+
+Which checkpoint: ``step=N`` loads step N from storage (its commit file must be there, and
+must be the checkpoint the metadata rows recorded, when there are rows); ``step=None`` the
+newest step whose rows are ``valid`` on every rank of its save and whose directory is
+published — chosen in the constructor, so that ``reader.step`` says what a load will read
+and an empty or damaged run raises ``NoCheckpointError`` (with what was skipped and why)
+before DCP starts. Read-only: it opens the metadata store read-only and changes nothing.
+
+Lifecycle (DCP calls it in this order, on every rank): ``read_metadata`` (the commit file,
+checked, turned into DCP's ``Metadata``; DCP's pickled ``.metadata`` is never read),
+``set_up_storage_reader``, ``prepare_local_plan`` and (coordinator) ``prepare_global_plan``
+(both unchanged), ``read_data``: each item a request needs is read once, whole, and its
+SHA256 checked before any of it is used — a request for part of a saved chunk (another
+sharding) verifies exactly the item its bytes come from. A mismatch or a short file raises
+``CheckpointFormatError`` naming the file, the item (fqn, chunk offset) and its byte range;
+DCP reports it from every rank as a ``CheckpointException``.
+
+Tensors are rebuilt without unpickling (``dcp.format``). A non-tensor value (DCP's "bytes"
+item) is handed, verified, to DCP's load planner, which deserialises it with ``torch.load``.
+Threading: DCP's thread calls the methods, one at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ckptpilot.dcp.format import (
+    Encoding,
+    ItemRecord,
+    checkpoint_metadata,
+    dcp_name,
+    decode_item_tensor,
+    narrow,
+)
+from ckptpilot.dcp.storage import (
+    DB_FILE,
+    entry_of,
+    is_dcp_entry,
+    list_dcp,
+    read_item,
+    read_manifest,
+    remote_of,
+    resolve_policy,
+    verify_parts,
+)
+from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
+from ckptpilot.policy import Policy
+from ckptpilot.rundir import read_run_id
+from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
+from ckptpilot.vocab import Status, Tier
+
+__all__ = ["Reader"]
+
+
+class Reader(StorageReader):
+    """Loads step ``step`` (None: the newest valid one) of the run in ``target`` (a run
+    directory, or a resolved :class:`~ckptpilot.policy.Policy`); see the module docstring.
+
+    ``skipped`` lists (step, why) for every newer checkpoint passed over by ``step=None``.
+    """
+
+    def __init__(self, target: Policy | str | os.PathLike[str], *,
+                 step: int | None = None) -> None:
+        super().__init__()
+        self.policy = resolve_policy(target)
+        self.remote = remote_of(self.policy)
+        self.skipped: list[tuple[int, str]] = []
+        recorded = self._recorded_rows()
+        self.step = self._newest(recorded) if step is None else step
+        self.name = dcp_name(self.step)
+        # {rank: part SHA256} of the rows at this checkpoint's directory, whatever their status
+        self._parts = {row.rank: row.sha256 for row in recorded.get(self.step, [])}
+        self.load_id = uuid.uuid4().hex
+        self._items: dict[MetadataIndex, ItemRecord] = {}
+
+    # -- StorageReader ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError(
+                f"ckptpilot.dcp.Reader reads by step (now {self.name} under "
+                f"{self.remote.url}); call dcp.load without checkpoint_id")
+        self.load_id = uuid.uuid4().hex
+        self._items = {}
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        """DCP's ``Metadata`` from the commit file. Takes no ``rank``: DCP then does not look
+        for rank-local metadata (never written here) and reports this method's error alone."""
+        manifest = read_manifest(self.remote, self.name)
+        verify_parts(self.remote.path(self.name), manifest, self._parts)
+        metadata = checkpoint_metadata(manifest, self.remote.path(self.name))
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        self._items = metadata.storage_data
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self._items = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        location = self.remote.path(self.name)
+        wanted: dict[MetadataIndex, list[ReadItem]] = {}
+        for req in plan.items:
+            wanted.setdefault(req.storage_index, []).append(req)
+        by_file: dict[str, list[tuple[MetadataIndex, ItemRecord]]] = {}
+        for index in wanted:
+            rec = self._items.get(index)
+            if rec is None:
+                raise CheckpointFormatError(f"{location}: the manifest has no item "
+                                            f"{index.fqn!r} at {index.offset}")
+            by_file.setdefault(rec.file, []).append((index, rec))
+        for fname, entries in sorted(by_file.items()):
+            with self.remote.open_read(f"{self.name}/{fname}") as f:
+                for index, rec in sorted(entries, key=lambda e: e[1].at):
+                    payload = read_item(f, rec, index, location)
+                    self._apply(planner, wanted[index], rec, index, payload, location)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The directory read (DCP logs it)."""
+        return self.remote.path(self.name)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Never chosen by DCP from a bare ``checkpoint_id``: it needs a run."""
+        return False
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _apply(planner: LoadPlanner, requests: list[ReadItem], rec: ItemRecord,
+               index: MetadataIndex, payload: bytearray, location: str) -> None:
+        where = rec.where(index, location)
+        if any((req.type == LoadItemType.BYTE_IO) != (rec.encoding is Encoding.BYTES)
+               for req in requests):
+            raise CheckpointFormatError(f"{where}: the load plan and the manifest disagree on "
+                                        "whether it is a tensor")
+        if rec.encoding is Encoding.BYTES:
+            for req in requests:
+                planner.load_bytes(req, io.BytesIO(payload))
+            return
+        saved = decode_item_tensor(rec, payload, where)
+        for req in requests:
+            piece = narrow(saved, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != piece.size():
+                raise CheckpointFormatError(f"{where}: the load plan wants {list(target.size())}"
+                                            f" of it, the item gives {list(piece.size())}")
+            target.copy_(piece)
+            planner.commit_tensor(req, target)
+
+    def _recorded_rows(self) -> dict[int, list[CheckpointRow]]:
+        """The remote rows at DCP checkpoint directories (published or staging), by step;
+        empty without a store."""
+        run_dir = Path(self.policy.run_dir)
+        run_id = read_run_id(run_dir)
+        if run_id is None or not (run_dir / DB_FILE).exists():
+            return {}
+        by_step: dict[int, list[CheckpointRow]] = {}
+        with MetadataStore(run_dir / DB_FILE, read_only=True) as store:
+            for row in store.rows(run_id, tier=Tier.REMOTE):
+                if is_dcp_entry(entry_of(row.location)):
+                    by_step.setdefault(row.step, []).append(row)
+        return by_step
+
+    def _newest(self, recorded: dict[int, list[CheckpointRow]]) -> int:
+        published = dict(list_dcp(self.remote))
+        for step in sorted(recorded, reverse=True):
+            rows = recorded[step]
+            why = self._unusable(step, rows, published)
+            if why is None:
+                return step
+            self.skipped.append((step, why))
+        run_dir = self.policy.run_dir
+        found = "; ".join(f"step {s}: {why}" for s, why in self.skipped)
+        raise NoCheckpointError(
+            f"no valid DCP checkpoint in {self.remote.url} for the run in {run_dir}"
+            + (f" ({found})" if found else " (no DCP save recorded in its metadata store)")
+            + "; Reader(..., step=N) loads a step by its files alone")
+
+    def _unusable(self, step: int, rows: list[CheckpointRow],
+                  published: dict[int, str]) -> str | None:
+        """Why the save of ``step`` cannot be the newest valid one, or None."""
+        bad = sorted(f"rank {r.rank} {r.status.value}" for r in rows
+                     if r.status is not Status.VALID)
+        if bad:
+            return ", ".join(bad)
+        if step not in published:
+            return (f"recorded valid but {self.remote.path(dcp_name(step))} is not published "
+                    "(deleted, or a wrong tiers.remote.url?)")
+        try:
+            manifest = read_manifest(self.remote, published[step])
+        except (CheckpointFormatError, OSError) as e:
+            return str(e)
+        missing = set(range(int(manifest["world_size"]))) - {r.rank for r in rows}
+        if missing:
+            return f"no row for rank(s) {sorted(missing)}"
+        return None
+

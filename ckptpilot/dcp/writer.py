@@ -1,0 +1,330 @@
+"""``Writer``: a ``torch.distributed.checkpoint`` StorageWriter that saves through ckptpilot's
+remote tier and records every rank's part in the run's metadata store.
+
+Lifecycle (DCP calls it in this order; one Writer per rank, one step per Writer):
+
+1. (every rank) ``set_up_storage_writer`` — the rank DCP gives it. (DCP calls ``reset`` only
+   for a ``checkpoint_id``, which is refused: the directory is named by ``step``.)
+2. (every rank) ``prepare_local_plan`` — the plan unchanged.
+3. (coordinator) ``prepare_global_plan`` — every live row of this step, on every rank, stops
+   counting and its bytes are set aside (a run resumed from an earlier step saves a step
+   again); the staging directory is made (locally ``dcp_step_N.staging-…``, on an object
+   store ``dcp_step_N`` itself) and each rank's plan names it and the rank's one data file.
+4. (every rank) ``write_data`` — the rank's items, streamed into its file while they are
+   hashed (SHA256 per item, of the very bytes written); the rank's row recorded ``pending``
+   with the SHA256 of its part; the file re-read and checked (``validation.sha256``), a
+   mismatch marks the row ``corrupted`` and fails the save on every rank.
+5. (coordinator, after every rank wrote) ``finish`` — DCP's ``.metadata`` (codecs off), then
+   the commit file ``manifest.json`` last, then the publication (locally the staging
+   directory's rename, on an object store the commit file's PUT), then every rank's row
+   ``valid``. A save killed at any point before the publication leaves no checkpoint: no
+   commit file means unfinished, and the rows stay ``pending``. One killed after it leaves a
+   published checkpoint with ``pending`` rows, which ``ckptpilot validate`` settles.
+
+The policy's other checks (``validation.load_test``: a worker process decoding the archive
+and comparing it with the live model) are the pilot's and are not run here: the read-back
+re-hash is what stands between a bad write and a ``valid`` row.
+
+Codecs are off by default: the directory is then a plain DCP checkpoint that stock
+``dcp.load`` with ``FileSystemReader`` reads. ``codecs=True`` encodes each tensor with the
+policy's codecs (a self-contained blob per item, no delta) and writes no ``.metadata``, so a
+stock reader refuses the directory instead of misreading it.
+
+``dcp.async_save`` works as with any writer: DCP stages the state to CPU, then runs the steps
+above on its own thread. Threading: DCP's thread calls the methods, one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import pickle
+import time
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptpilot.catalog import Catalog, SaveIntent
+from ckptpilot.codecs.selector import CodecSelector
+from ckptpilot.dcp.format import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    Encoding,
+    ItemRecord,
+    build_manifest,
+    dcp_name,
+    dtype_name,
+    empty_part_digest,
+    encode_manifest,
+    part_digests,
+)
+from ckptpilot.dcp.storage import DB_FILE, read_item, remote_of, resolve_policy, retire_step
+from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.policy import Policy
+from ckptpilot.rundir import run_identity
+from ckptpilot.storage.metadata import MetadataStore
+from ckptpilot.tiers.remote import HashingWriter
+from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Status, Tier
+
+__all__ = ["Writer"]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one rank writes, chosen by the coordinator: the staging directory (relative to
+    the tier's root) and the rank's data file in it."""
+
+    staging: str
+    file: str
+
+
+class _ItemStream:
+    """What ``torch.save`` and the codecs write one item into: hashed on its own, and on to
+    the data file (whose writer hashes and counts the whole file)."""
+
+    def __init__(self, out: HashingWriter) -> None:
+        self._out = out
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        self._out.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        """``torch.save`` flushes; durability is the tier's, when the file is closed."""
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+
+def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as ``torch.save`` must see it for a reader that takes the storage bytes
+    as the tensor: on the CPU, contiguous, alone in its storage from byte 0."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if (not tensor.is_contiguous() or tensor.storage_offset() != 0
+            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+class Writer(StorageWriter):
+    """Saves a DCP state dict as step ``step`` of the run in ``target`` (a run directory, or
+    a resolved :class:`~ckptpilot.policy.Policy` whose ``tiers.remote`` is used); see the
+    module docstring for the call order.
+
+    ``reason``, ``retention_class`` and ``score`` go to every rank's row and the commit
+    file, as the pilot's saves record theirs (``ckptpilot prune`` keeps by them). The level
+    is ``organ`` with codecs off and ``pulse`` with them (``vocab.Level``).
+    """
+
+    def __init__(self, target: Policy | str | os.PathLike[str], *, step: int,
+                 codecs: bool = False, reason: str = "dcp.save",
+                 retention_class: RetentionClass | str = RetentionClass.ROUTINE,
+                 score: float | None = None) -> None:
+        super().__init__()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: expected a non-negative int, got {step!r}")
+        self.policy = resolve_policy(target)
+        self.step = step
+        self.codecs = codecs
+        self.intent = SaveIntent(level=(Level.PULSE if codecs else Level.ORGAN).value,
+                                 reason=reason,
+                                 retention_class=RetentionClass(retention_class).value,
+                                 score=score)
+        self.remote = remote_of(self.policy)
+        self.name = dcp_name(step)
+        self.save_id = uuid.uuid4().hex
+        self._run_dir = Path(self.policy.run_dir)
+        self._rank = 0
+        self._staging: str | None = None
+        self._selector: CodecSelector | None = None
+
+    # -- StorageWriter ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError(
+                f"ckptpilot.dcp.Writer names the checkpoint by its step ({self.name} under "
+                f"{self.remote.url}); call dcp.save without checkpoint_id")
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise ValueError("ckptpilot.dcp.Writer needs use_collectives=True: one commit "
+                             "file publishes every rank's part at once")
+        self._rank = int(kwargs.get("rank", 0))
+        self._staging = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._run_dir.mkdir(parents=True, exist_ok=True)
+        run_id = run_identity(self._run_dir)
+        with MetadataStore(self._run_dir / DB_FILE) as store:
+            retire_step(store, run_id, self._run_dir, self.remote, self.step)
+        self._staging = self.remote.new_staging(self.name)
+        return [dataclasses.replace(plan, storage_data=_Target(self._staging,
+                                                               f"__{i}_0.distcp"))
+                for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target: _Target = plan.storage_data
+        rel = f"{target.staging}/{target.file}"
+        items: dict[MetadataIndex, ItemRecord] = {}
+        codecs: Counter[str] = Counter()
+        resolve_seconds = 0.0
+        bytes_raw = 0
+        t0 = time.perf_counter()
+        if plan.items:
+            if self.codecs:
+                self._selector = self._selector or self._codec_selector()
+                self._selector.new_save()
+            # Objects first, then tensors, as FileSystemWriter orders them.
+            ordered = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+            with self.remote.open_write(rel) as out:
+                for item in ordered:
+                    t = time.perf_counter()
+                    data = planner.resolve_data(item)
+                    if isinstance(data, torch.Tensor):
+                        data = _plain_cpu(data)
+                        bytes_raw += data.numel() * data.element_size()
+                    resolve_seconds += time.perf_counter() - t
+                    items[item.index] = self._write_item(out, item, data, target.file, codecs)
+        write_seconds = time.perf_counter() - t0 - resolve_seconds
+        digest = part_digests(items).get(self._rank, empty_part_digest())
+        run_id = run_identity(self._run_dir)
+        with MetadataStore(self._run_dir / DB_FILE) as store:
+            catalog = Catalog(store, run_id, self._rank, self._run_dir)
+            key = catalog.record_pending(
+                self.step, Tier.REMOTE, self.intent, location=self.remote.path(target.staging),
+                sha256=digest, bytes_raw=bytes_raw, seconds_snapshot=resolve_seconds,
+                codec=",".join(f"{c}:{n}" for c, n in sorted(codecs.items())) or "raw",
+                bytes_encoded=sum(r.nbytes for r in items.values()),
+                seconds_write=write_seconds)
+            if items and self.policy.validation.sha256:
+                self._check_written(store, key, rel, items)
+        results = [WriteResult(index=index, size_in_bytes=rec.nbytes, storage_data=rec)
+                   for index, rec in items.items()]
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._staging is None:
+            raise RuntimeError("finish() before prepare_global_plan(): not the coordinator")
+        tier, staging = self.remote, self._staging
+        items = {wr.index: wr.storage_data for rank in results for wr in rank}
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_meta = self.storage_meta()
+        # What stock readers find in .metadata: DCP's own per-item record.
+        metadata.storage_data = {index: _StorageInfo(rec.file, rec.at, rec.nbytes)
+                                 for index, rec in items.items()}
+        metadata_file = None
+        if not self.codecs:
+            size, sha = tier.write_file(f"{staging}/{DCP_METADATA_FILE}",
+                                        [pickle.dumps(metadata)])
+            metadata_file = {"bytes": size, "sha256": sha}
+        manifest = build_manifest(
+            step=self.step, world_size=len(results), level=self.intent.level,
+            reason=self.intent.reason, retention_class=self.intent.retention_class,
+            score=self.intent.score, created_unix=time.time(), codecs=self.codecs,
+            metadata=metadata, items=items, metadata_file=metadata_file)
+        commit = encode_manifest(manifest)
+        if tier.renames:
+            tier.write_file(f"{staging}/{MANIFEST_FILE}", [commit])
+            tier.publish(staging, self.name)
+        else:  # an object store: the commit file's PUT is the publication
+            tier.write_file(f"{self.name}/{MANIFEST_FILE}", [commit])
+        run_id = run_identity(self._run_dir)
+        with MetadataStore(self._run_dir / DB_FILE) as store:
+            for rank in range(len(results)):
+                store.mark(CheckpointKey(run_id, self.step, rank, Tier.REMOTE), Status.VALID,
+                           location=tier.path(self.name))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """Where the checkpoint is published (DCP logs it)."""
+        return self.remote.path(self.name)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Never chosen by DCP from a bare ``checkpoint_id``: it needs a run and a step."""
+        return False
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _codec_selector(self) -> CodecSelector:
+        codecs = self.policy.codecs
+        return CodecSelector(
+            {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
+            bandwidth_bytes_per_s=self.policy.tiers.remote.bandwidth, level=codecs.zstd_level,
+            prefix_bits=codecs.prefix_bits, threads=codecs.threads)
+
+    def _write_item(self, out: HashingWriter, item: WriteItem, data: Any, file: str,
+                    codecs: Counter[str]) -> ItemRecord:
+        stream = _ItemStream(out)
+        at = out.size
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"{item.index.fqn}: the planner resolved an object item to "
+                                f"{type(data).__name__}, not io.BytesIO")
+            stream.write(data.getbuffer())
+            return ItemRecord(self._rank, file, at, stream.size, stream.sha256, Encoding.BYTES)
+        shape = () if item.tensor_data is None else tuple(item.tensor_data.chunk.sizes)
+        if (item.tensor_data is None or not isinstance(data, torch.Tensor)
+                or tuple(data.shape) != shape):
+            raise CheckpointFormatError(
+                f"{item.index.fqn}: the planner resolved the chunk of shape {list(shape)} to "
+                f"{getattr(data, 'shape', type(data).__name__)}")
+        dtype = dtype_name(data.dtype, item.index.fqn)
+        if self._selector is not None:
+            codec, _ = self._selector.codec_for(item.index.fqn, data)
+            for part in codec.encode_parts(data):
+                stream.write(part)
+            codecs[codec.codec_id] += 1
+            encoding = Encoding.BLOB
+        else:
+            torch.save(data, stream)
+            codecs["raw"] += 1
+            encoding = Encoding.TORCH_SAVE
+        return ItemRecord(self._rank, file, at, stream.size, stream.sha256, encoding, dtype,
+                          shape)
+
+    def _check_written(self, store: MetadataStore, key: CheckpointKey, rel: str,
+                       items: Mapping[MetadataIndex, ItemRecord]) -> None:
+        """Read the rank's file back from storage and check every item's SHA256 before the
+        part may count (``validation.sha256``); a mismatch marks the row corrupted."""
+        t0 = time.perf_counter()
+        location = self.remote.path(rel.rsplit("/", 1)[0])
+        try:
+            with self.remote.open_read(rel) as f:
+                for index, rec in sorted(items.items(), key=lambda kv: kv[1].at):
+                    read_item(f, rec, index, location)
+        except CheckpointFormatError as e:
+            store.mark(key, Status.CORRUPTED, note=f"read back after writing: {e}"[:2000],
+                       seconds_validate=time.perf_counter() - t0)
+            raise
+        store.mark(key, Status.PENDING, seconds_validate=time.perf_counter() - t0)
