@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.autoprune import AutoPruner
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
@@ -29,7 +30,7 @@ from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.restorer import Restorer
 from ckptpilot.rollback import RollbackGuard
-from ckptpilot.rundir import run_identity
+from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.state import HostBufferPool, TrainingComponents
 from ckptpilot.steps import StepDecider
@@ -114,7 +115,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
                           "so it cannot hold recovery points; use a directory or an object "
                           "store (file://, s3://, gs://)")
     run_id = run_identity(run_dir)
-    store = MetadataStore(run_dir / "metadata.sqlite")
+    store = MetadataStore(metadata_path(run_dir))
     started["store"] = store.close
     # A directory whose rows are keyed by its folder's name (no run id yet) is re-keyed.
     store.adopt_run_id(run_dir.name, run_id)
@@ -139,15 +140,19 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
         bandwidth_bytes_per_s=policy.tiers.remote.bandwidth, level=codecs.zstd_level,
         prefix_bits=codecs.prefix_bits, threads=codecs.threads)
+    retention = policy.retention
+    pruner = (AutoPruner(store, run_id, remote, retention, world_size=world_size)
+              if rank == 0 and (retention.auto or retention.max_bytes is not None
+                                or retention.min_free_bytes is not None) else None)
     writer = CheckpointWriter(catalog=catalog, remote=remote, peers=peers, memory=memory,
                               pool=pool, validator=validator, pulse_codecs=pulse_codecs,
-                              telemetry=telemetry, max_pending=max_pending)
+                              telemetry=telemetry, max_pending=max_pending, pruner=pruner)
     started["writer"] = writer.shutdown
-    hb_path = run_dir / f"heartbeat_rank_{rank:05d}.ring"
+    hb_path = heartbeat_path(run_dir, rank)
     previous_heartbeat = read_latest(hb_path)
     heartbeat = HeartbeatWriter(hb_path)
     started["heartbeat"] = heartbeat.close
-    ledger = FailureLedger(run_dir / f"ledger_rank_{rank:05d}.jsonl")
+    ledger = FailureLedger(ledger_path(run_dir, rank))
     lifecycle = RunLifecycle(ledger, previous_heartbeat)
     rollback = RollbackGuard(policy.rollback, rank=rank, ledger=ledger, catalog=catalog,
                              writer=writer, data_state=components.data_state)

@@ -37,6 +37,11 @@ class IntegrityError(CheckpointFormatError):
         self.actual = actual
         super().__init__(f"{key}: SHA256 mismatch (expected {expected}, got {actual})")
 
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str]]:
+        # Rebuilt from its three fields when pickled to another process (DCP sends every
+        # rank's exception to the others).
+        return (type(self), (self.key, self.expected, self.actual))
+
 
 class CheckpointWriteError(CkptPilotError, RuntimeError):
     """A background save failed; raised on the training thread at the next observe/close."""

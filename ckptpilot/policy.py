@@ -649,6 +649,12 @@ class RetentionPolicy(_Section):
     important_keep: int = Field(3, ge=1, le=_MAX_COUNT)
     routine_keep: int = Field(1, ge=1, le=_MAX_COUNT)
     best: BestMetricPolicy | None = None
+    # Applied by the writer thread after every save published valid (rank 0 for the run).
+    auto: bool = True
+    # Disk budget on the remote tier: total checkpoint bytes, and free space to keep on its
+    # file system (where that can be known). None: no limit.
+    max_bytes: _ByteSize | None = None
+    min_free_bytes: _ByteSize | None = None
 
     @model_validator(mode="after")
     def _check_scores(self) -> Self:

@@ -52,6 +52,7 @@ from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.format.heartbeat_ring import HeartbeatRecord
 from ckptpilot.format.ledger_line import parse_line
 from ckptpilot.policy import Policy
+from ckptpilot.rundir import heartbeat_path, ledger_path
 from ckptpilot.runops import Run
 from ckptpilot.scheduler.interval import daly_interval
 from ckptpilot.storage.heartbeat import read_all
@@ -162,15 +163,15 @@ def read_records(policy: Policy, *, rank: int = 0) -> RunRecords:
     run = Run(policy)
     with run.store(read_only=True) as store:
         rows = tuple(store.rows(run.run_id))
-    ledger_path = run.dir / f"ledger_rank_{rank:05d}.jsonl"
-    ledger = FailureLedger(ledger_path)
-    ring_path = run.dir / f"heartbeat_rank_{rank:05d}.ring"
+    ledger_file = ledger_path(run.dir, rank)
+    ledger = FailureLedger(ledger_file)
+    ring_path = heartbeat_path(run.dir, rank)
     try:
         heartbeats = tuple(read_all(ring_path))
     except CheckpointFormatError as e:
         log.warning("%s; the step time is unknown", e)
         heartbeats = ()
-    return RunRecords(run_id=run.run_id, rank=rank, rows=rows, ledger=_ledger_lines(ledger_path),
+    return RunRecords(run_id=run.run_id, rank=rank, rows=rows, ledger=_ledger_lines(ledger_file),
                       interruptions=tuple(ledger.interruptions()),
                       rollbacks=tuple(ledger.rollbacks()), mtbf_seconds=ledger.mtbf_seconds(),
                       heartbeats=heartbeats)

@@ -32,6 +32,7 @@ from ckptpilot.storage.archive import (
     ArchiveListing,
     checkpoint_name,
     list_archives,
+    parse_checkpoint_name,
     read_manifest,
     read_organ,
 )
@@ -316,7 +317,10 @@ class Restorer:
             except OSError as e:
                 log.warning("cannot remove %s: %s", remote.path(debris), e)
         published = dict((name, s) for s, name in listing.published)
-        rows = self._catalog.newest_rows_by_step(Tier.REMOTE)
+        # Only this pilot's own archives: a ``ckptpilot.dcp`` checkpoint in the same run
+        # directory has rows of its own layout, which this restore does not read.
+        rows = {step: row for step, row in self._catalog.newest_rows_by_step(Tier.REMOTE).items()
+                if parse_checkpoint_name(_entry(row.location)) is not None}
         store = self._catalog.store
         for row in rows.values():
             if row.status is not Status.PENDING:
@@ -351,6 +355,12 @@ class Restorer:
             missing.append((_ALWAYS_REPORTED, SkippedCheckpoint(
                 remote.url, f"cannot list the remote tier: {unlisted}")))
         return candidates, missing, {step: row.sha256 for step, row in rows.items()}
+
+
+def _entry(location: str) -> str:
+    """The checkpoint name in a row's location: its last path part, before any ``.staging-``
+    or set-aside suffix."""
+    return location.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
 
 
 def _read(tier: CheckpointTier, step: int, source: RecoverySource) -> Read:

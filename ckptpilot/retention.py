@@ -59,6 +59,7 @@ __all__ = [
     "StoredRow",
     "execute_plan",
     "plan_retention",
+    "plan_room",
     "repair",
 ]
 
@@ -218,28 +219,16 @@ def plan_retention(
     depends only on their content. A kept row lists every rule that keeps it.
     """
     live = [row for row in rows if _text(row.status) != Status.EXPIRED]
-    keep: dict[int, list[str]] = defaultdict(list)
+    keep = _never_removed(live, best)
     remove: dict[int, str] = {}
-
     for row in live:
-        if _text(row.status) == Status.PENDING:
-            keep[row.id].append("pending (save in flight)")
-        if _text(row.retention_class) == RetentionClass.MILESTONE.value:
-            keep[row.id].append("milestone (pinned)")
         if _text(row.status) == Status.CORRUPTED:
             remove[row.id] = "corrupted: never a recovery point"
 
     valid = [row for row in live if _text(row.status) == Status.VALID]
-    by_tier: dict[tuple[str, int, str], list[R]] = defaultdict(list)
     by_group: dict[tuple[str, int, str, str], list[R]] = defaultdict(list)
     for row in valid:
-        by_tier[(row.run_id, row.rank, _text(row.tier))].append(row)
         by_group[(row.run_id, row.rank, _text(row.level), _text(row.tier))].append(row)
-
-    for (_run, _rank, tier), tier_rows in by_tier.items():
-        keep[_newest_first(tier_rows)[0].id].append(f"newest valid in {tier}")
-    for row in _newest_complete(valid):
-        keep[row.id].append(f"newest step valid on every rank in {_text(row.tier)}")
 
     quotas = {
         RetentionClass.IMPORTANT.value: policy.important_keep,
@@ -258,6 +247,34 @@ def plan_retention(
                 else:
                     remove[row.id] = f"{cls}: beyond newest {quotas[cls]}"
 
+    _keep_bases(keep, live)
+    by_id = {row.id: row for row in live}
+    kept = tuple(sorted(((by_id[row_id], "; ".join(reasons)) for row_id, reasons in keep.items()),
+                        key=lambda item: _sort_key(item[0])))
+    removed = tuple(sorted(((by_id[row_id], why) for row_id, why in remove.items()
+                            if row_id not in keep),
+                           key=lambda item: _sort_key(item[0])))
+    return RetentionPlan(keep=kept, remove=removed, now=now)
+
+
+def _never_removed(live: Sequence[R], best: BestPolicy | None) -> dict[int, list[str]]:
+    """The rows no rule may remove, not even a disk budget, each with why: pending, a
+    milestone, the newest valid per (run, rank, tier), the newest step valid on every rank,
+    and the best N by the user metric."""
+    keep: dict[int, list[str]] = defaultdict(list)
+    for row in live:
+        if _text(row.status) == Status.PENDING:
+            keep[row.id].append("pending (save in flight)")
+        if _text(row.retention_class) == RetentionClass.MILESTONE.value:
+            keep[row.id].append("milestone (pinned)")
+    valid = [row for row in live if _text(row.status) == Status.VALID]
+    by_tier: dict[tuple[str, int, str], list[R]] = defaultdict(list)
+    for row in valid:
+        by_tier[(row.run_id, row.rank, _text(row.tier))].append(row)
+    for (_run, _rank, tier), tier_rows in by_tier.items():
+        keep[_newest_first(tier_rows)[0].id].append(f"newest valid in {tier}")
+    for row in _newest_complete(valid):
+        keep[row.id].append(f"newest step valid on every rank in {_text(row.tier)}")
     if best is not None:
         for tier_rows in by_tier.values():
             ranked = [row for row in tier_rows
@@ -268,8 +285,12 @@ def plan_retention(
                                          -row.id))
             for row in ranked[:best.keep]:
                 keep[row.id].append(f"best {best.keep} by {best.metric} ({best.mode})")
+    return keep
 
-    # Bases of kept deltas, transitively: a kept base that is itself a delta needs its own.
+
+def _keep_bases(keep: dict[int, list[str]], live: Sequence[R]) -> None:
+    """Add the bases of kept deltas to ``keep``, transitively: a kept base that is itself a
+    delta needs its own."""
     by_step: dict[tuple[str, int, int], list[R]] = defaultdict(list)
     for row in live:
         by_step[(row.run_id, row.rank, row.step)].append(row)
@@ -289,12 +310,64 @@ def plan_retention(
         noun = "delta at step" if len(steps) == 1 else "deltas at steps"
         keep[base_id].append(f"base of kept {noun} {listed}")
 
-    kept = tuple(sorted(((by_id[row_id], "; ".join(reasons)) for row_id, reasons in keep.items()),
-                        key=lambda item: _sort_key(item[0])))
-    removed = tuple(sorted(((by_id[row_id], why) for row_id, why in remove.items()
-                            if row_id not in keep),
-                           key=lambda item: _sort_key(item[0])))
-    return RetentionPlan(keep=kept, remove=removed, now=now)
+
+_BUDGET_ORDER = {RetentionClass.ROUTINE.value: 0, RetentionClass.IMPORTANT.value: 1,
+                 RetentionClass.CRITICAL.value: 2}
+
+
+def _bytes(row: RetentionRow) -> int:
+    return int(getattr(row, "bytes_encoded", None) or 0)
+
+
+def plan_room(
+    rows: Sequence[R],
+    policy: RetentionPolicy,
+    need_bytes: int,
+    *,
+    tier: Tier = Tier.REMOTE,
+    best: BestPolicy | None = None,
+    now: float | None = None,
+) -> RetentionPlan[R]:
+    """What to remove so that ``need_bytes`` more fit a disk budget on ``tier``: first what
+    :func:`plan_retention` removes anyway, then, while that frees less, valid checkpoints of
+    ``tier`` that only their class quota keeps, in retention order — routine before important
+    before critical, oldest step first, every rank's part of a step together. Never a row
+    :func:`plan_retention` may never remove (pending, a milestone, the newest valid, the newest
+    step complete on every rank, best N) nor the base of a delta that stays. Sizes come from
+    the rows' ``bytes_encoded``. When even that is not enough the plan removes all it may: the
+    caller compares what it frees with what it needed.
+    """
+    plan = plan_retention(rows, policy, best=best, now=now)
+    freed = sum(_bytes(row) for row, _ in plan.remove if _text(row.tier) == tier.value)
+    if freed >= need_bytes:
+        return plan
+    live = [row for row in rows if _text(row.status) != Status.EXPIRED]
+    protected = _never_removed(live, best)
+    removing = {row.id for row, _ in plan.remove}
+    candidates = sorted(
+        (row for row, _ in plan.keep
+         if row.id not in protected and _text(row.status) == Status.VALID
+         and _text(row.tier) == tier.value and _text(row.retention_class) in _BUDGET_ORDER),
+        key=lambda row: (_BUDGET_ORDER[_text(row.retention_class)], row.step, row.rank, row.id))
+    evicted: dict[int, R] = {}
+    last_step: tuple[str, int] | None = None
+    for row in candidates:
+        if freed >= need_bytes and (row.run_id, row.step) != last_step:
+            break
+        if any(other.base_step == row.step and other.run_id == row.run_id
+               and other.rank == row.rank and other.id not in evicted
+               and other.id not in removing for other in live):
+            continue  # the base of a delta that stays
+        evicted[row.id] = row
+        last_step = (row.run_id, row.step)
+        freed += _bytes(row)
+    if not evicted:
+        return plan
+    why = f"disk budget: {need_bytes} bytes needed on {tier.value}, oldest of the lowest class"
+    keep = tuple(item for item in plan.keep if item[0].id not in evicted)
+    remove = tuple(sorted((*plan.remove, *((row, why) for row in evicted.values())),
+                          key=lambda item: _sort_key(item[0])))
+    return RetentionPlan(keep=keep, remove=remove, now=now)
 
 
 def _details(row: RetentionRow, reason: str) -> dict[str, Any]:

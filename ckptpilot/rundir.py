@@ -62,6 +62,21 @@ def run_identity(run_dir: Path) -> str:
     return (run_dir / RUN_ID_FILE).read_text().strip()
 
 
+def metadata_path(run_dir: Path) -> Path:
+    """The run's metadata store (``storage.metadata``), shared by every rank."""
+    return run_dir / "metadata.sqlite"
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    """The rank's heartbeat ring (``storage.heartbeat``)."""
+    return run_dir / f"heartbeat_rank_{rank:05d}.ring"
+
+
+def ledger_path(run_dir: Path, rank: int) -> Path:
+    """The rank's failure ledger (``storage.ledger``)."""
+    return run_dir / f"ledger_rank_{rank:05d}.jsonl"
+
+
 def lease_path(run_dir: Path, rank: int) -> Path:
     return run_dir / f"lease_rank_{rank:05d}.lock"
 

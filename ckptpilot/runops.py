@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ckptpilot.autoprune import remote_remover
 from ckptpilot.catalog import write_pin
 from ckptpilot.dcp.format import parse_dcp_name
 from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
@@ -23,14 +24,13 @@ from ckptpilot.dcp.storage import read_manifest as read_dcp_manifest
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
-from ckptpilot.rundir import aside_path, every_lease, read_run_id, run_identity
+from ckptpilot.rundir import aside_path, every_lease, metadata_path, read_run_id, run_identity
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
 from ckptpilot.storage.metadata import CheckpointRow, MetadataCorruptError, MetadataStore
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import CheckpointKey, Status, Tier
 
-DB_NAME = "metadata.sqlite"
 _DB_SUFFIXES = ("", "-wal", "-shm")
 
 
@@ -79,7 +79,7 @@ class Run:
             raise OpError(f"run directory {self.dir} does not exist (check --run-dir)")
         self.run_id = read_run_id(self.dir) or self.dir.name
         self.other_run_ids: dict[str, int] = {}
-        self.db_path = self.dir / DB_NAME
+        self.db_path = metadata_path(self.dir)
         self.remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
 
     def store(self, *, read_only: bool = False) -> MetadataStore:
@@ -223,22 +223,6 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
     return 0
 
 
-def _remover(run: Run) -> tuple[object, object]:
-    """Files exist only for rows of the remote tier; a peer's or the memory tier's copy of an
-    expired row is the holder's to drop (peers drop superseded states on commit, and expire
-    a run's shards with its lease), so removing such a row only marks it."""
-
-    def exists(row: CheckpointRow) -> bool:
-        return row.tier is Tier.REMOTE and run.remote.exists(Run.entry(row))
-
-    def remove(row: CheckpointRow) -> None:
-        name = Run.entry(row)
-        if row.tier is Tier.REMOTE and run.remote.exists(name):
-            run.remote.remove(name)
-
-    return exists, remove
-
-
 def _dcp_plan(store: MetadataStore, run: Run, step: int, name: str,
               force: bool) -> list[tuple[object, ...]]:
     """The plan rows of recovering to the DCP checkpoint ``name``: verified, every rank."""
@@ -268,7 +252,7 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
     best = policy.retention.best
     best_policy = None if best is None else BestPolicy(best.metric, best.mode, best.keep)
     with run.store(read_only=dry_run) as store:
-        exists, remove = _remover(run)
+        exists, remove = remote_remover(run.remote)
         if not dry_run:
             fixed = repair(store, exists, remove)  # type: ignore[arg-type]
             if fixed.removed:

@@ -31,9 +31,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
+from ckptpilot.autoprune import AutoPruner, DiskBudgetError
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
-from ckptpilot.errors import CheckpointWriteError
+from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.saveplan import SavePlan
 from ckptpilot.state import HostBufferPool, Snapshot
@@ -122,8 +125,10 @@ class CheckpointWriter:
     def __init__(self, *, catalog: Catalog, remote: RemoteTier, peers: PeerTier | None,
                  memory: MemoryTier | None, pool: HostBufferPool,
                  validator: PostWriteValidator, pulse_codecs: CodecSelector,
-                 telemetry: Telemetry, max_pending: int) -> None:
+                 telemetry: Telemetry, max_pending: int,
+                 pruner: AutoPruner | None = None) -> None:
         self._catalog = catalog
+        self._pruner = pruner
         self._rank = catalog.rank
         self._remote = remote
         self._peers = peers
@@ -189,20 +194,26 @@ class CheckpointWriter:
     # -- writer thread ---------------------------------------------------------------------
 
     def _persist(self, snapshot: Snapshot, plan: SavePlan, stall: float,
-                 job: _Job) -> SaveRecord:
+                 job: _Job) -> SaveRecord | None:
         """Write one save to the tiers of its plan; a valid snapshot's buffers then stay in
         the memory tier (the base of the next peer deltas)."""
         kept = False
         try:
-            record = None
-            for tier in plan.tiers:
+            record, refused = None, False
+            fallback = [] if plan.fallback is None else [plan.fallback]
+            for i, tier in enumerate([*plan.tiers, *fallback]):
+                if i == len(plan.tiers) and (record is not None or refused):
+                    break  # the fallback is for a plan no tier took
                 job.tier = tier
-                record = self._write(tier, snapshot, plan, stall) or record
-            if record is None and plan.fallback is not None:
-                job.tier = plan.fallback
-                record = self._write(plan.fallback, snapshot, plan, stall)
-            assert record is not None, f"no tier took step {snapshot.step}: {plan}"
+                try:
+                    record = self._write(tier, snapshot, plan, stall) or record
+                except DiskBudgetError as e:
+                    self._refuse(snapshot, e)
+                    refused = True
             job.tier = None
+            if record is None:
+                assert refused, f"no tier took step {snapshot.step}: {plan}"
+                return None
             self.saves.append(record)
             self._telemetry.save(snapshot.step, {
                 "checkpoint/save_seconds": record.persist_seconds,
@@ -211,6 +222,8 @@ class CheckpointWriter:
                 "checkpoint/bytes": float(record.bytes),
                 "checkpoint/ratio": snapshot.nbytes / max(record.bytes, 1),
             })
+            if record.status is Status.VALID and record.tier is Tier.REMOTE:
+                self._retain()
             if (record.status is Status.VALID and plan.keep_in_memory
                     and self._memory is not None):
                 job.tier = Tier.MEMORY
@@ -223,6 +236,25 @@ class CheckpointWriter:
             if not kept:
                 self._pool.give_back(snapshot)
             self._slots.release()
+
+    def _refuse(self, snapshot: Snapshot, error: DiskBudgetError) -> None:
+        """A save the disk budget has no room for: said loudly, recorded, and training goes
+        on (nothing of it was written)."""
+        log.error("ALERT: step %d was not saved: %s. Training goes on; the previous valid "
+                  "checkpoint stays the recovery point.", snapshot.step, error)
+        self._telemetry.save(snapshot.step, {"checkpoint/refused_bytes": float(snapshot.nbytes)})
+        self._catalog.store.audit("save-refused", {"step": snapshot.step, "rank": self._rank,
+                                                   "reason": str(error)})
+
+    def _retain(self) -> None:
+        """Retention after a published save (``retention.auto``); its failure is logged and
+        retried by the next one: a checkpoint kept too long is no loss."""
+        if self._pruner is None or not self._pruner.auto:
+            return
+        try:
+            self._pruner.prune()
+        except (OSError, CkptPilotError, SQLAlchemyError) as e:
+            log.warning("retention after the save failed (the next save retries): %s", e)
 
     def _write(self, tier: Tier, snapshot: Snapshot, plan: SavePlan,
                stall: float) -> SaveRecord | None:
@@ -309,6 +341,8 @@ class CheckpointWriter:
         costs."""
         intent, catalog, remote = plan.intent, self._catalog, self._remote
         t0 = time.perf_counter()
+        if self._pruner is not None and self._pruner.budgeted:
+            self._pruner.make_room(snapshot.step, snapshot.nbytes)
         name = checkpoint_name(snapshot.step, self._rank)
         # Before staging: on an object store the staging is the checkpoint's own name.
         catalog.retire(catalog.key(snapshot.step, Tier.REMOTE), lambda: (

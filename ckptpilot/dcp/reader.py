@@ -44,7 +44,6 @@ from ckptpilot.dcp.format import (
     narrow,
 )
 from ckptpilot.dcp.storage import (
-    DB_FILE,
     entry_of,
     is_dcp_entry,
     list_dcp,
@@ -56,7 +55,7 @@ from ckptpilot.dcp.storage import (
 )
 from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
 from ckptpilot.policy import Policy
-from ckptpilot.rundir import read_run_id
+from ckptpilot.rundir import metadata_path, read_run_id
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
 from ckptpilot.vocab import Status, Tier
 
@@ -175,10 +174,10 @@ class Reader(StorageReader):
         empty without a store."""
         run_dir = Path(self.policy.run_dir)
         run_id = read_run_id(run_dir)
-        if run_id is None or not (run_dir / DB_FILE).exists():
+        if run_id is None or not (metadata_path(run_dir)).exists():
             return {}
         by_step: dict[int, list[CheckpointRow]] = {}
-        with MetadataStore(run_dir / DB_FILE, read_only=True) as store:
+        with MetadataStore(metadata_path(run_dir), read_only=True) as store:
             for row in store.rows(run_id, tier=Tier.REMOTE):
                 if is_dcp_entry(entry_of(row.location)):
                     by_step.setdefault(row.step, []).append(row)

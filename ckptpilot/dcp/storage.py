@@ -34,8 +34,6 @@ from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
 __all__ = [
-    "DB_FILE",
-    "ItemIntegrityError",
     "PartCheck",
     "check_published",
     "entry_of",
@@ -52,17 +50,6 @@ __all__ = [
 ]
 
 
-class ItemIntegrityError(IntegrityError):
-    """Bytes of a DCP checkpoint that do not match their SHA256. Unlike its base it survives
-    pickling: DCP sends each rank's exception to every rank."""
-
-    def __reduce__(self) -> tuple[type[ItemIntegrityError], tuple[str, str, str]]:
-        return type(self), (self.key, self.expected, self.actual)
-
-
-DB_FILE = "metadata.sqlite"
-"""The run's metadata store (``runops.DB_NAME``; runops imports this package, so not from
-there)."""
 _READ_CHUNK = 16 << 20
 
 
@@ -133,7 +120,7 @@ def read_item(f: Any, rec: ItemRecord, index: MetadataIndex, location: str) -> b
         got += n
     actual = item_digest(buf)
     if actual != rec.sha256:
-        raise ItemIntegrityError(where, rec.sha256, actual)
+        raise IntegrityError(where, rec.sha256, actual)
     return buf
 
 
@@ -143,7 +130,7 @@ def verify_parts(location: str, manifest: Mapping[str, Any], ranks: Mapping[int,
     parts = manifest.get("parts", {})
     for rank, digest in sorted(ranks.items()):
         if parts.get(str(rank)) != digest:
-            raise ItemIntegrityError(f"{location}: rank {rank}'s part (not the checkpoint the "
+            raise IntegrityError(f"{location}: rank {rank}'s part (not the checkpoint the "
                                  "metadata recorded for this step)", digest,
                                  str(parts.get(str(rank))))
 
@@ -180,7 +167,7 @@ def verify_dcp(tier: RemoteTier, name: str, manifest: Mapping[str, Any] | None =
             raise CheckpointFormatError(f"{tier.path(rel)}: missing")
         size, sha = tier.digest(rel)
         if (size, sha) != (meta["bytes"], meta["sha256"]):
-            raise ItemIntegrityError(tier.path(rel), meta["sha256"], sha)
+            raise IntegrityError(tier.path(rel), meta["sha256"], sha)
     return manifest
 
 

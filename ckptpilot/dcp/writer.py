@@ -70,10 +70,10 @@ from ckptpilot.dcp.format import (
     encode_manifest,
     part_digests,
 )
-from ckptpilot.dcp.storage import DB_FILE, read_item, remote_of, resolve_policy, retire_step
+from ckptpilot.dcp.storage import read_item, remote_of, resolve_policy, retire_step
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.policy import Policy
-from ckptpilot.rundir import run_identity
+from ckptpilot.rundir import metadata_path, run_identity
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote import HashingWriter
 from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Status, Tier
@@ -180,7 +180,7 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._run_dir.mkdir(parents=True, exist_ok=True)
         run_id = run_identity(self._run_dir)
-        with MetadataStore(self._run_dir / DB_FILE) as store:
+        with MetadataStore(metadata_path(self._run_dir)) as store:
             retire_step(store, run_id, self._run_dir, self.remote, self.step)
         self._staging = self.remote.new_staging(self.name)
         return [dataclasses.replace(plan, storage_data=_Target(self._staging,
@@ -213,7 +213,7 @@ class Writer(StorageWriter):
         write_seconds = time.perf_counter() - t0 - resolve_seconds
         digest = part_digests(items).get(self._rank, empty_part_digest())
         run_id = run_identity(self._run_dir)
-        with MetadataStore(self._run_dir / DB_FILE) as store:
+        with MetadataStore(metadata_path(self._run_dir)) as store:
             catalog = Catalog(store, run_id, self._rank, self._run_dir)
             key = catalog.record_pending(
                 self.step, Tier.REMOTE, self.intent, location=self.remote.path(target.staging),
@@ -256,7 +256,7 @@ class Writer(StorageWriter):
         else:  # an object store: the commit file's PUT is the publication
             tier.write_file(f"{self.name}/{MANIFEST_FILE}", [commit])
         run_id = run_identity(self._run_dir)
-        with MetadataStore(self._run_dir / DB_FILE) as store:
+        with MetadataStore(metadata_path(self._run_dir)) as store:
             for rank in range(len(results)):
                 store.mark(CheckpointKey(run_id, self.step, rank, Tier.REMOTE), Status.VALID,
                            location=tier.path(self.name))

@@ -27,6 +27,7 @@ from typing import Any
 
 from ckptpilot.fit.harness import ChildRun, Harness, HarnessError, Trial
 from ckptpilot.fit.job import EXIT_ERROR
+from ckptpilot.rundir import metadata_path
 from ckptpilot.storage.archive import CONTAINER_FILE, TENSORS_FILE, checkpoint_name
 
 FAULT_STEP = 25  # in-save faults hit the first save of this step or later
@@ -371,7 +372,7 @@ def _metadata_locked(h: Harness, name: str, obs: Observation) -> str:
                           pause_at_step=LOCK_FROM_STEP, go_file=go)
     paused = running.wait_event("paused")
     if paused is not None:
-        db = sqlite3.connect(trial.run_dir / "metadata.sqlite", timeout=60,
+        db = sqlite3.connect(metadata_path(trial.run_dir), timeout=60,
                              isolation_level=None)
         try:
             db.execute("BEGIN IMMEDIATE")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -195,6 +196,16 @@ class RemoteTier:
     def local_path(self, relpath: str) -> str | None:
         """A file-system path when the tier is local (lets readers mmap), else None."""
         return self.path(relpath) if self.is_local else None
+
+    def free_bytes(self) -> int | None:
+        """Free space on the file system that holds the tier; None where it cannot be known
+        (an object store)."""
+        if not self.is_local:
+            return None
+        path = self.root
+        while not os.path.isdir(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)  # the root is created by the first save
+        return shutil.disk_usage(path).free
 
     def download(self, relpath: str, local: str) -> None:
         """Copy a stored file to the local path ``local``, streamed."""
