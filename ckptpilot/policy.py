@@ -278,6 +278,19 @@ class _Section(BaseModel):
     # to coerce; ints are still accepted where a float is expected.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
+    def __hash__(self) -> int:
+        # By value, as pydantic's frozen hash, but also over dict and list values
+        # (``storage_options``, a signal's ``params``), which are not hashable themselves.
+        return hash(tuple(_frozen(value) for value in self.__dict__.values()))
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
 
 class SchedulerWeights(_Section):
     """Weights of the built-in signals in the health score; each non-negative.
