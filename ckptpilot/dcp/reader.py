@@ -57,9 +57,10 @@ from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
 from ckptpilot.policy import Policy
 from ckptpilot.rundir import metadata_path, read_run_id
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
+from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
-__all__ = ["Reader"]
+__all__ = ["Reader", "recorded_rows", "usable_steps"]
 
 
 class Reader(StorageReader):
@@ -75,13 +76,14 @@ class Reader(StorageReader):
         self.policy = resolve_policy(target)
         self.remote = remote_of(self.policy)
         self.skipped: list[tuple[int, str]] = []
-        recorded = self._recorded_rows()
+        recorded = recorded_rows(self.policy)
         self.step = self._newest(recorded) if step is None else step
         self.name = dcp_name(self.step)
         # {rank: part SHA256} of the rows at this checkpoint's directory, whatever their status
         self._parts = {row.rank: row.sha256 for row in recorded.get(self.step, [])}
         self.load_id = uuid.uuid4().hex
         self._items: dict[MetadataIndex, ItemRecord] = {}
+        self.bytes_read = 0  # the items read_data read (and verified), over every load
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class Reader(StorageReader):
             with self.remote.open_read(f"{self.name}/{fname}") as f:
                 for index, rec in sorted(entries, key=lambda e: e[1].at):
                     payload = read_item(f, rec, index, location)
+                    self.bytes_read += rec.nbytes
                     self._apply(planner, wanted[index], rec, index, payload, location)
         done: Future[None] = Future()
         done.set_result(None)
@@ -146,6 +149,17 @@ class Reader(StorageReader):
         return False
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _newest(self, recorded: dict[int, list[CheckpointRow]]) -> int:
+        steps, self.skipped = usable_steps(self.policy, self.remote, recorded, limit=1)
+        if steps:
+            return steps[0]
+        run_dir = self.policy.run_dir
+        found = "; ".join(f"step {s}: {why}" for s, why in self.skipped)
+        raise NoCheckpointError(
+            f"no valid DCP checkpoint in {self.remote.url} for the run in {run_dir}"
+            + (f" ({found})" if found else " (no DCP save recorded in its metadata store)")
+            + "; Reader(..., step=N) loads a step by its files alone")
 
     @staticmethod
     def _apply(planner: LoadPlanner, requests: list[ReadItem], rec: ItemRecord,
@@ -169,51 +183,57 @@ class Reader(StorageReader):
             target.copy_(piece)
             planner.commit_tensor(req, target)
 
-    def _recorded_rows(self) -> dict[int, list[CheckpointRow]]:
-        """The remote rows at DCP checkpoint directories (published or staging), by step;
-        empty without a store."""
-        run_dir = Path(self.policy.run_dir)
-        run_id = read_run_id(run_dir)
-        if run_id is None or not (metadata_path(run_dir)).exists():
-            return {}
-        by_step: dict[int, list[CheckpointRow]] = {}
-        with MetadataStore(metadata_path(run_dir), read_only=True) as store:
-            for row in store.rows(run_id, tier=Tier.REMOTE):
-                if is_dcp_entry(entry_of(row.location)):
-                    by_step.setdefault(row.step, []).append(row)
-        return by_step
 
-    def _newest(self, recorded: dict[int, list[CheckpointRow]]) -> int:
-        published = dict(list_dcp(self.remote))
-        for step in sorted(recorded, reverse=True):
-            rows = recorded[step]
-            why = self._unusable(step, rows, published)
-            if why is None:
-                return step
-            self.skipped.append((step, why))
-        run_dir = self.policy.run_dir
-        found = "; ".join(f"step {s}: {why}" for s, why in self.skipped)
-        raise NoCheckpointError(
-            f"no valid DCP checkpoint in {self.remote.url} for the run in {run_dir}"
-            + (f" ({found})" if found else " (no DCP save recorded in its metadata store)")
-            + "; Reader(..., step=N) loads a step by its files alone")
+def recorded_rows(policy: Policy) -> dict[int, list[CheckpointRow]]:
+    """The remote rows of the run at DCP checkpoint directories (published or staging), by
+    step; empty without a store. Opens the store read-only."""
+    run_dir = Path(policy.run_dir)
+    run_id = read_run_id(run_dir)
+    if run_id is None or not (metadata_path(run_dir)).exists():
+        return {}
+    by_step: dict[int, list[CheckpointRow]] = {}
+    with MetadataStore(metadata_path(run_dir), read_only=True) as store:
+        for row in store.rows(run_id, tier=Tier.REMOTE):
+            if is_dcp_entry(entry_of(row.location)):
+                by_step.setdefault(row.step, []).append(row)
+    return by_step
 
-    def _unusable(self, step: int, rows: list[CheckpointRow],
-                  published: dict[int, str]) -> str | None:
-        """Why the save of ``step`` cannot be the newest valid one, or None."""
-        bad = sorted(f"rank {r.rank} {r.status.value}" for r in rows
-                     if r.status is not Status.VALID)
-        if bad:
-            return ", ".join(bad)
-        if step not in published:
-            return (f"recorded valid but {self.remote.path(dcp_name(step))} is not published "
-                    "(deleted, or a wrong tiers.remote.url?)")
-        try:
-            manifest = read_manifest(self.remote, published[step])
-        except (CheckpointFormatError, OSError) as e:
-            return str(e)
-        missing = set(range(int(manifest["world_size"]))) - {r.rank for r in rows}
-        if missing:
-            return f"no row for rank(s) {sorted(missing)}"
-        return None
 
+def usable_steps(policy: Policy, remote: RemoteTier,
+                 recorded: dict[int, list[CheckpointRow]] | None = None, *,
+                 limit: int | None = None) -> tuple[list[int], list[tuple[int, str]]]:
+    """The steps whose DCP save is ``valid`` on every rank of the save and published, newest
+    first (at most ``limit``), and (step, why) for each recorded step passed over on the way.
+    A usable step still has to verify as it is read."""
+    if recorded is None:
+        recorded = recorded_rows(policy)
+    published = dict(list_dcp(remote))
+    steps, skipped = [], []
+    for step in sorted(recorded, reverse=True):
+        why = _unusable(remote, step, recorded[step], published)
+        if why is None:
+            steps.append(step)
+            if limit is not None and len(steps) >= limit:
+                break
+        else:
+            skipped.append((step, why))
+    return steps, skipped
+
+
+def _unusable(remote: RemoteTier, step: int, rows: list[CheckpointRow],
+              published: dict[int, str]) -> str | None:
+    """Why the save of ``step`` cannot be loaded as a valid one, or None."""
+    bad = sorted(f"rank {r.rank} {r.status.value}" for r in rows if r.status is not Status.VALID)
+    if bad:
+        return ", ".join(bad)
+    if step not in published:
+        return (f"recorded valid but {remote.path(dcp_name(step))} is not published "
+                "(deleted, or a wrong tiers.remote.url?)")
+    try:
+        manifest = read_manifest(remote, published[step])
+    except (CheckpointFormatError, OSError) as e:
+        return str(e)
+    missing = set(range(int(manifest["world_size"]))) - {r.rank for r in rows}
+    if missing:
+        return f"no row for rank(s) {sorted(missing)}"
+    return None
