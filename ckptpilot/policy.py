@@ -661,6 +661,9 @@ class RetentionPolicy(_Section):
     important_score: float = Field(0.5, ge=0, le=1)
     important_keep: int = Field(3, ge=1, le=_MAX_COUNT)
     routine_keep: int = Field(1, ge=1, le=_MAX_COUNT)
+    # The newest N valid checkpoints of each rank and tier are never removed, whatever their
+    # class: a newest one that rots after validation needs an older one to walk back to.
+    keep_last: int = Field(2, ge=1, le=_MAX_COUNT)
     best: BestMetricPolicy | None = None
     # Applied by the writer thread after every save published valid (rank 0 for the run).
     auto: bool = True

@@ -16,9 +16,11 @@ Rules, applied per (run, rank, level, tier) group (SPEC §2, §8):
 - With a :class:`BestPolicy`, the ``keep`` best valid rows by the user metric of each (run,
   rank, tier) are kept, whatever their level or class: "the best checkpoints" are steps to the
   user, not pulses or organs.
-- Never removed: anything ``pending``; a milestone; the newest valid row of each (run, rank,
-  tier) — per tier rather than per rank, because the tiers fail differently (the memory tier
-  dies with the node, so the newest remote copy must survive a newer memory copy); and,
+- Never removed: anything ``pending``; a milestone; the newest ``keep_last`` valid rows of
+  each (run, rank, tier) (default 2: a newest one that rots after validation needs an older
+  one to walk back to) — per tier rather than per rank, because the tiers fail differently
+  (the memory tier dies with the node, so the newest remote copy must survive a newer memory
+  copy); and,
   transitively, the base of any kept delta (``base_step``). The base is matched by step in
   every tier of the same run and rank, since a row does not record which tier holds its base;
   over-keeping a base costs bytes, removing a needed one loses the delta. And the newest
@@ -219,7 +221,7 @@ def plan_retention(
     depends only on their content. A kept row lists every rule that keeps it.
     """
     live = [row for row in rows if _text(row.status) != Status.EXPIRED]
-    keep = _never_removed(live, best)
+    keep = _never_removed(live, best, policy.keep_last)
     remove: dict[int, str] = {}
     for row in live:
         if _text(row.status) == Status.CORRUPTED:
@@ -257,10 +259,11 @@ def plan_retention(
     return RetentionPlan(keep=kept, remove=removed, now=now)
 
 
-def _never_removed(live: Sequence[R], best: BestPolicy | None) -> dict[int, list[str]]:
+def _never_removed(live: Sequence[R], best: BestPolicy | None,
+                   keep_last: int) -> dict[int, list[str]]:
     """The rows no rule may remove, not even a disk budget, each with why: pending, a
-    milestone, the newest valid per (run, rank, tier), the newest step valid on every rank,
-    and the best N by the user metric."""
+    milestone, the newest ``keep_last`` valid per (run, rank, tier), the newest step valid on
+    every rank, and the best N by the user metric."""
     keep: dict[int, list[str]] = defaultdict(list)
     for row in live:
         if _text(row.status) == Status.PENDING:
@@ -272,7 +275,10 @@ def _never_removed(live: Sequence[R], best: BestPolicy | None) -> dict[int, list
     for row in valid:
         by_tier[(row.run_id, row.rank, _text(row.tier))].append(row)
     for (_run, _rank, tier), tier_rows in by_tier.items():
-        keep[_newest_first(tier_rows)[0].id].append(f"newest valid in {tier}")
+        newest = _newest_first(tier_rows)
+        keep[newest[0].id].append(f"newest valid in {tier}")
+        for row in newest[1:keep_last]:
+            keep[row.id].append(f"within the newest {keep_last} valid in {tier} (walk-back)")
     for row in _newest_complete(valid):
         keep[row.id].append(f"newest step valid on every rank in {_text(row.tier)}")
     if best is not None:
@@ -342,7 +348,7 @@ def plan_room(
     if freed >= need_bytes:
         return plan
     live = [row for row in rows if _text(row.status) != Status.EXPIRED]
-    protected = _never_removed(live, best)
+    protected = _never_removed(live, best, policy.keep_last)
     removing = {row.id for row, _ in plan.remove}
     candidates = sorted(
         (row for row, _ in plan.keep

@@ -38,9 +38,10 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     assert fields["replayed steps"].startswith("4/4 losses bit-identical")
     assert fields["checkpoints saved"].startswith("4 ")
     assert float(fields["median stall per save"].split()[0]) > 0
-    # Saved 10, 20, 30, 40 (routine pulses); retention during training keeps the newest.
+    # Saved 10, 20, 30, 40 (routine pulses); retention during training keeps the newest
+    # (routine_keep 1) and the one before it (keep_last 2).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "step_00000040_rank_00000"]
+        "step_00000030_rank_00000", "step_00000040_rank_00000"]
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

@@ -24,7 +24,8 @@ def test_ranks_agree_on_every_decision_including_an_emergency(tmp_path: Path) ->
     cfg = tmp_path / "policy.yaml"
     cfg.write_text("scheduler: {base_interval: 50, min_interval: 5, max_interval: 500,\n"
                    "  young_daly: false, system: {sustained_seconds: 60}}\n"
-                   "observability: {tensorboard: false, decision_log: true}\n")
+                   "observability: {tensorboard: false, decision_log: true}\n"
+                   "retention: {auto: false}\n")  # every save stays on disk to be compared
     port = free_port()
     run_dir = tmp_path / "run"
     procs = [subprocess.Popen([sys.executable, str(JOB), "--rank", str(r), "--port", str(port),

@@ -749,7 +749,7 @@ def _pruner(path: str, start: Any, results: Any) -> None:
     """Prune loop: the library's retention path, plus a compaction that deletes tombstones."""
     start.wait(120)
     store = MetadataStore(path)
-    policy = RetentionPolicy(routine_keep=2)
+    policy = RetentionPolicy(routine_keep=2, keep_last=1)
     expired: list[int] = []
     deleted: list[int] = []
     skipped = 0

@@ -20,7 +20,7 @@ from ckptpilot.retention import BestPolicy, RetentionPlan, execute_plan, plan_re
 from ckptpilot.storage.archive import checkpoint_name
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
 
-POLICY = RetentionPolicy()  # important_keep=3, routine_keep=1
+POLICY = RetentionPolicy(keep_last=1)  # important 3, routine 1: the class rules alone
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def test_routine_keeps_the_newest_k_of_its_group() -> None:
     assert kept(plan) == {40: "newest valid in remote; routine: within newest 1"}
     assert removed(plan) == {s: "routine: beyond newest 1" for s in (10, 20, 30)}
     plan = plan_retention(rows_of(*({"step": s} for s in (10, 20, 30, 40))),
-                          RetentionPolicy(routine_keep=3))
+                          RetentionPolicy(routine_keep=3, keep_last=1))
     assert set(kept(plan)) == {20, 30, 40} and set(removed(plan)) == {10}
 
 

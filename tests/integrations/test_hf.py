@@ -45,7 +45,7 @@ TIMEOUT_SECONDS = 600  # a safety net against a hung child, not a speed requirem
 POLICY = """\
 scheduler: {base_interval: 8, min_interval: 1, max_interval: 500, young_daly: false,
   weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0}}
-retention: {important_keep: 1, best: {metric: eval_loss, mode: min, keep: 2}}
+retention: {important_keep: 1, auto: false, best: {metric: eval_loss, mode: min, keep: 2}}
 validation: {load_test: none}
 observability: {tensorboard: false, decision_log: false}
 """

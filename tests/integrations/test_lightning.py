@@ -34,7 +34,7 @@ def _config(tmp: Path) -> Path:
         "scheduler: {base_interval: 10, min_interval: 1, max_interval: 500, young_daly: false,\n"
         "  weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0},\n"
         "  organ_every: 100}\n"
-        "retention: {best: {metric: val_loss, mode: min, keep: 2}}\n"
+        "retention: {best: {metric: val_loss, mode: min, keep: 2}, auto: false}\n"
         # The load test is covered elsewhere; skipping it keeps the children quick.
         "validation: {load_test: none}\n"
         "observability: {tensorboard: false, decision_log: false}\n")
