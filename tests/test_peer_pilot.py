@@ -56,7 +56,8 @@ def config(tmp: Path, cluster: list[Daemon], *, organ_every: int = 2) -> Path:
                         lease_seconds: 60, timeout_seconds: 5, probe_interval: 0.2,
                         deltas: always}}}}
         observability: {{tensorboard: false, decision_log: false}}
-        """))
+        retention: {{auto: false}}
+        """))  # every save stays on disk to be inspected; see test_autoprune.py
     return cfg
 
 

@@ -37,7 +37,8 @@ def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: boo
                     loss: {{slope_threshold: 1000.0}}}}
         async: {{max_pending: {max_pending}}}
         observability: {{tensorboard: {str(tb).lower()}, decision_log: {str(tb).lower()}}}
-        """))
+        retention: {{auto: false}}
+        """))  # these tests count and walk back over every save; see test_autoprune.py
     return cfg
 
 

@@ -32,7 +32,8 @@ def policy_file(tmp_path: Path, *, memory: bool = True, memory_max: str = "1GiB"
         tiers: {{memory: {{enabled: {str(memory).lower()}, max_bytes: {memory_max}}},
                 remote: {{bandwidth: {bandwidth}}}}}
         observability: {{tensorboard: false, decision_log: false}}
-        """))
+        retention: {{auto: false}}
+        """))  # every save stays on disk to be inspected; see test_autoprune.py
     return cfg
 
 
