@@ -32,6 +32,7 @@ from ckptpilot.restorer import Restorer
 from ckptpilot.rollback import RollbackGuard
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
+from ckptpilot.sharded import ShardedState, holds_dtensors
 from ckptpilot.state import HostBufferPool, TrainingComponents
 from ckptpilot.steps import StepDecider
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
@@ -75,6 +76,7 @@ class RunParts:
     agreement: RankAgreement | None
     restorer: Restorer
     steps: StepDecider
+    sharded: ShardedState | None  # a model of DTensors: saved and restored through DCP
 
 
 def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, world_size: int,
@@ -165,12 +167,15 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         agreement = RankAgreement(rank, world_size)
         started["agreement"] = agreement.drop
+    sharded = (ShardedState(policy, components, catalog=catalog, writer=writer,
+                            telemetry=telemetry, agreement=agreement, rank=rank,
+                            world_size=world_size) if holds_dtensors(components) else None)
     return RunParts(
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,
         heartbeat=heartbeat, lifecycle=lifecycle, rollback=rollback, health=health,
         agreement=agreement, restorer=Restorer(
             catalog, remote, None if peers is None else PeerCheckpointTier(peers, rank=rank),
-            memory, agreement),
+            memory, agreement, world_size),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
-                          rollback=rollback))
+                          rollback=rollback), sharded=sharded)

@@ -113,7 +113,7 @@ class CheckpointPilot:
                                                               parts.health)
             self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,
                                                                 parts.agreement)
-            self._restorer, self._steps = parts.restorer, parts.steps
+            self._restorer, self._steps, self._sharded = parts.restorer, parts.steps, parts.sharded
             self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                           if optimizer is not None else None)
         except BaseException:
@@ -247,18 +247,22 @@ class CheckpointPilot:
     def _save(self, intent: SaveIntent) -> bool:
         if self._last_save_step == self.step:
             return False
-        t0 = time.perf_counter()
-        self._writer.acquire_slot()
-        try:
-            snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
-                               extras=self.extras, rank=self.rank, world_size=self.world_size,
-                               pool=self._pool)
-        except BaseException:
-            self._writer.release_slot()
-            raise
-        stall = time.perf_counter() - t0
+        if self._sharded is not None:
+            stall = self._sharded.save(intent, step=self.step, epoch=self._current_epoch(),
+                                       extras=self.extras)
+        else:
+            t0 = time.perf_counter()
+            self._writer.acquire_slot()
+            try:
+                snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
+                                   extras=self.extras, rank=self.rank,
+                                   world_size=self.world_size, pool=self._pool)
+            except BaseException:
+                self._writer.release_slot()
+                raise
+            stall = time.perf_counter() - t0
+            self._writer.submit(snapshot, plan_save(intent, self.policy), stall)
         self._steps.note_stall(stall)
-        self._writer.submit(snapshot, plan_save(intent, self.policy), stall)
         self._last_save_step = self.step
         return True
 
@@ -300,8 +304,8 @@ class CheckpointPilot:
 
     def _restore(self, step: int | None, before: int | None = None) -> int | None:
         t0 = time.perf_counter()
-        restored = self._restorer.restore(step, self._apply, before=before,
-                                          prepare=self.flush)
+        restored = (self._sharded or self._restorer).restore(step, self._apply, before=before,
+                                                             prepare=self.flush)
         if restored is None:
             return None
         read, lifecycle = restored.read, before is None  # a rollback is no interruption
@@ -327,7 +331,8 @@ class CheckpointPilot:
         return restored.step
 
     def _apply(self, read: Read) -> None:
-        restored_extras = apply(self.components, read.meta, read.get_tensor)
+        restored_extras = (apply if self._sharded is None else self._sharded.apply)(
+            self.components, read.meta, read.get_tensor)
         self.extras.clear()
         self.extras.update(restored_extras)
         self.epoch = read.meta.get("epoch")

@@ -27,7 +27,12 @@ import torch
 
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.catalog import Catalog, Pin
-from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
+from ckptpilot.errors import (
+    CheckpointFormatError,
+    CkptPilotError,
+    IntegrityError,
+    NoCheckpointError,
+)
 from ckptpilot.storage.archive import (
     ArchiveListing,
     checkpoint_name,
@@ -49,6 +54,11 @@ log = logging.getLogger("ckptpilot")
 
 MAX_RECOVERY_WALK = 5
 _ALWAYS_REPORTED = 1 << 62  # a "missing" entry newer than any step: reported on every outcome
+
+
+class _OtherWorldSize(CkptPilotError):
+    """A rank-local copy (memory, peer) saved by a run of another world size: passed over,
+    not condemned (its bytes are fine)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,9 @@ class Restorer:
     """Walks the recovery plan over this rank's tiers; see the module docstring."""
 
     def __init__(self, catalog: Catalog, remote: RemoteTier, peers: PeerCheckpointTier | None,
-                 memory: MemoryTier | None, agreement: RankAgreement | None) -> None:
+                 memory: MemoryTier | None, agreement: RankAgreement | None,
+                 world_size: int = 1) -> None:
+        self._world_size = world_size
         self._catalog = catalog
         self._rank = catalog.rank
         self._remote = remote
@@ -229,7 +241,8 @@ class Restorer:
         for target in (t for t in held if t < below and (step is None or t == step)):
             assert memory is not None
             options.setdefault(target, []).append(_Option(
-                f"memory:step {target}", partial(_read, memory, target, RecoverySource.MEMORY),
+                f"memory:step {target}",
+                partial(_read, memory, target, RecoverySource.MEMORY, self._world_size),
                 (IntegrityError, NoCheckpointError), lambda error: None))
         newest_remote = plan.attempts[0].step if plan.attempts else -1
         peer_steps = self._peer_targets(step, newest_remote) if not forced else []
@@ -237,7 +250,7 @@ class Restorer:
             assert self._peers is not None
             options.setdefault(target, []).append(_Option(
                 f"peer:{self._peers.peers.run_id}/{target}",
-                partial(_read, self._peers, target, RecoverySource.PEER),
+                partial(_read, self._peers, target, RecoverySource.PEER, self._world_size),
                 (*PEER_ERRORS, RuntimeError),
                 partial(self._catalog.condemn, target, Tier.PEER)))
         for cand in plan.attempts:
@@ -255,6 +268,9 @@ class Restorer:
         for option in options:
             try:
                 return option.read()
+            except _OtherWorldSize as e:
+                log.warning("skipping checkpoint %s: %s", option.where, e)
+                skipped.append(SkippedCheckpoint(option.where, str(e)))
             except option.unreadable as e:
                 log.warning("skipping checkpoint %s: %s", option.where, e)
                 skipped.append(SkippedCheckpoint(option.where, str(e)))
@@ -363,11 +379,18 @@ def _entry(location: str) -> str:
     return location.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
 
 
-def _read(tier: CheckpointTier, step: int, source: RecoverySource) -> Read:
-    """``step`` from ``tier``, verified by the tier, as a read the pilot applies."""
+def _read(tier: CheckpointTier, step: int, source: RecoverySource, world_size: int) -> Read:
+    """``step`` from ``tier``, verified by the tier, as a read the pilot applies; a copy
+    saved by a run of another world size is never trusted (a rank-local tier's copy belongs
+    to one rank of one layout of the job)."""
     image = tier.get(step)
-    tensors = image.tensors()
     where = image.source
+    saved = image.meta.get("world_size")
+    if saved != world_size:
+        raise _OtherWorldSize(
+            f"saved by a run of {saved} ranks and this one has {world_size}: rank-local tiers "
+            "are never trusted across a world-size change, the remote tier is read instead")
+    tensors = image.tensors()
 
     def get_tensor(key: str) -> torch.Tensor:
         try:

@@ -263,6 +263,15 @@ def arena_views(arena: torch.Tensor,
     return views
 
 
+def encode_tree(value: Any, path: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``value`` as the JSON-able tree a checkpoint's ``meta`` holds (tensors replaced by
+    ``{"__tensor__": name}``, names under ``path``), and those tensors by name, not copied:
+    for a caller that stores the tensors another way (``sharded``: DTensors through DCP).
+    :func:`decode` is the inverse."""
+    enc = _Encoder(None)
+    return enc.encode(value, path), enc._sources
+
+
 def decode(value: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
     """Inverse of the encoder: rebuild tuples, non-string-keyed dicts and tensors."""
     if isinstance(value, list):

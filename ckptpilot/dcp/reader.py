@@ -84,6 +84,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._items: dict[MetadataIndex, ItemRecord] = {}
         self.bytes_read = 0  # the items read_data read (and verified), over every load
+        self.manifest: dict[str, Any] = {}  # the commit file, once read_metadata read it
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class Reader(StorageReader):
         for rank-local metadata (never written here) and reports this method's error alone."""
         manifest = read_manifest(self.remote, self.name)
         verify_parts(self.remote.path(self.name), manifest, self._parts)
+        self.manifest = manifest
         metadata = checkpoint_metadata(manifest, self.remote.path(self.name))
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
@@ -223,9 +225,11 @@ def usable_steps(policy: Policy, remote: RemoteTier,
 def _unusable(remote: RemoteTier, step: int, rows: list[CheckpointRow],
               published: dict[int, str]) -> str | None:
     """Why the save of ``step`` cannot be loaded as a valid one, or None."""
-    bad = sorted(f"rank {r.rank} {r.status.value}" for r in rows if r.status is not Status.VALID)
+    bad = sorted((r for r in rows if r.status is not Status.VALID), key=lambda r: r.rank)
     if bad:
-        return ", ".join(bad)
+        note = next((r.note for r in bad if r.note), "")
+        return ", ".join(f"rank {r.rank} {r.status.value}" for r in bad) + (
+            f" ({note})" if note else "")
     if step not in published:
         return (f"recorded valid but {remote.path(dcp_name(step))} is not published "
                 "(deleted, or a wrong tiers.remote.url?)")
