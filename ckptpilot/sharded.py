@@ -186,6 +186,11 @@ class _Load:
     level: Level
 
 
+class _NotThePilots(CheckpointFormatError):
+    """A DCP checkpoint of the run that the pilot did not write (``dcp.save`` called with
+    ``ckptpilot.dcp.Writer`` directly): passed over, not condemned."""
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -434,9 +439,7 @@ class ShardedState:
         failure: BaseException | None = None
         try:
             load = self._plan_load(target)
-        except StateError as e:
-            failure = e
-        except (CheckpointFormatError, OSError) as e:
+        except (CheckpointFormatError, OSError) as e:  # not StateError: the live state misfits
             why = e
         except BaseException as e:
             failure = e
@@ -479,9 +482,12 @@ class ShardedState:
         reason = _why(why) if why is not None else f"another rank cannot read step {target}"
         log.warning("skipping sharded checkpoint %s: %s", where, reason)
         skipped.append(SkippedCheckpoint(where, reason))
-        wrong_bytes = isinstance(why, CheckpointFormatError) or (
-            isinstance(why, CheckpointException)
-            and any(isinstance(x, CheckpointFormatError) for x in _failures(why).values()))
+        if isinstance(why, CheckpointException):
+            wrong_bytes = any(isinstance(x, CheckpointFormatError)
+                              for x in _failures(why).values())
+        else:
+            wrong_bytes = isinstance(why, CheckpointFormatError) and not isinstance(
+                why, _NotThePilots)
         if wrong_bytes:
             self._condemn(target, reason)
         return True
@@ -503,8 +509,8 @@ class ShardedState:
         entries = reader.read_metadata().state_dict_metadata
         saved_world = int(reader.manifest["world_size"])
         if any(f"rank/{r}/meta" not in entries for r in range(saved_world)):
-            raise CheckpointFormatError(f"{reader.checkpoint_id}: not a sharded checkpoint of "
-                                        "CheckpointPilot (no rank/<r>/meta for every rank)")
+            raise _NotThePilots(f"{reader.checkpoint_id}: not a sharded checkpoint of "
+                                "CheckpointPilot (no rank/<r>/meta for every rank)")
         state, devices = self._template(entries, reader.checkpoint_id)
         source = self._rank % saved_world
         metas = list(range(saved_world)) if saved_world != self._world_size else [source]

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ckptpilot import CheckpointPilot
 from ckptpilot.catalog import Catalog
@@ -158,7 +158,8 @@ def _write(path: Path, value: Any) -> None:
 
 
 def _save_job(rank: int, world: int, port: int, out: Path, kill_at: int | None) -> None:
-    """Trains 6 steps; the pilot saves step 3 (pilot.save) and step 6 (close). Leaves the
+    """Trains 6 steps; the pilot saves step 3 (a pulse: through the codecs) and step 6 (an
+    organ, at close: a plain DCP checkpoint). Leaves the
     unsharded tensors of both steps, each rank's RNG state, and a stock DCP checkpoint of
     step 6 (FileSystemWriter) for the reference. With ``kill_at``: every rank SIGKILLs
     itself inside that step's save, once its part is written."""
@@ -185,7 +186,7 @@ def _save_job(rank: int, world: int, port: int, out: Path, kill_at: int | None) 
         taken += idx.tolist()
         pilot.observe(_step(model, opt, sched, idx))
         if step == FIRST_SAVE:
-            assert pilot.save()
+            assert pilot.save("pulse")
             pilot.flush()
             full = _full(model, opt)
             if rank == 0:
@@ -203,7 +204,8 @@ def _save_job(rank: int, world: int, port: int, out: Path, kill_at: int | None) 
         _write(out / "sched.json", sched.state_dict())
     _write(out / f"taken_{rank}.json", taken)
     pilot.close()  # saves step 6
-    assert [s.step for s in pilot.saves] == [FIRST_SAVE, SECOND_SAVE]
+    assert [(s.step, s.level.value) for s in pilot.saves] == [(FIRST_SAVE, "pulse"),
+                                                              (SECOND_SAVE, "organ")]
     dist.destroy_process_group()
 
 
@@ -292,6 +294,56 @@ def test_four_ranks_restore_into_fewer_bit_exact_and_train_on_like_stock_dcp(
               for i in json.loads((copy / f"taken_{r}.json").read_text())]
     first_after = [_stream_index(SAVED_WORLD * BATCH * SECOND_SAVE + r) for r in range(2)]
     assert Counter(before + first_after) == Counter(range(SAMPLES)), "epoch 0 not exact"
+
+
+def test_the_organ_of_a_sharded_run_loads_with_stock_dcp_into_one_process(saved: Path) -> None:
+    want = safetensors.torch.load_file(saved / f"full_{SECOND_SAVE}.safetensors")
+    state = {name: torch.zeros_like(t) for name, t in want.items() if name.startswith("model/")}
+    directory = saved / "run" / "checkpoints" / dcp_name(SECOND_SAVE)
+    dcp.load(state, storage_reader=FileSystemReader(directory), no_dist=True)
+    _assert_bit_equal(state, {k: v for k, v in want.items() if k in state})
+
+
+# -- another mesh shape ---------------------------------------------------------------------------
+
+
+def _mesh_job(rank: int, world: int, port: int, out: Path, shape: tuple[int, ...]) -> None:
+    """A linear layer whose weight is sharded on both dimensions of a (dp, tp) mesh, or on
+    the second of a 1-D one, with AdamW; the first run trains 2 steps and saves at close."""
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", shape)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 10)
+    placements = [Shard(0), Shard(1)] if len(shape) == 2 else [Shard(1)]
+    layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, placements))
+    layer.bias = torch.nn.Parameter(distribute_tensor(layer.bias.detach(), mesh,
+                                                      [Replicate()] * len(shape)))
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    pilot = CheckpointPilot(out / "policy.yaml", model=layer, optimizer=opt, run_dir=out / "run")
+    first = pilot.restore() == 0
+    for _ in range(2 if first else 0):
+        ((layer.weight * layer.weight).sum() + layer.bias.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        pilot.observe(1.0)
+    assert pilot.step == 2
+    full = _full(layer, opt)
+    if rank == 0:
+        safetensors.torch.save_file(full, out / f"mesh_{len(shape)}d.safetensors")
+    pilot.close(save=first)
+    dist.destroy_process_group()
+
+
+@pytest.mark.crash
+def test_a_two_dimensional_mesh_restores_into_another_mesh_shape_bit_exact(
+        tmp_path: Path) -> None:
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    _run(_mesh_job, 4, tmp_path, (2, 2))
+    _run(_mesh_job, 3, tmp_path, (3,))
+    _assert_bit_equal(safetensors.torch.load_file(tmp_path / "mesh_1d.safetensors"),
+                      safetensors.torch.load_file(tmp_path / "mesh_2d.safetensors"))
 
 
 # -- walking back together --------------------------------------------------------------------
