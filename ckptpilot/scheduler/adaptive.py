@@ -119,6 +119,7 @@ class AdaptiveCheckpointScheduler:
         self._measures = tuple((s.name, s.signal.measure) for s in signals)
         self._scored = tuple((s.name, s.weight, s.signal.shortens_interval,
                               s.signal.marks_damage) for s in signals)
+        self._quiet_signals = dict.fromkeys((*(s.name for s in signals), "system"), 0.0)
         self._hazard = Hazard(policy.system.hazard_window_steps)
         self._training_hazard = Hazard(policy.system.hazard_window_steps)
         self._w_system = policy.weights.system
@@ -321,7 +322,7 @@ class AdaptiveCheckpointScheduler:
         score = shortening = 0.0
         training_precursor = non_finite
         damaged = False
-        clean = {}
+        clean = self._quiet_signals.copy()  # every value 0.0, in the decision's key order
         for name, weight, shortens, marks_damage in self._scored:
             # Clamped inline (NaN counts as 0): this runs on the training thread every step.
             value = signals[name]
@@ -335,8 +336,6 @@ class AdaptiveCheckpointScheduler:
                     training_precursor = True
                     if marks_damage:
                         damaged = True
-            else:
-                clean[name] = 0.0
         system = signals["system"]
         system = clean["system"] = (1.0 if system > 1.0 else float(system)) if system > 0.0 else 0.0
         training_hazard = self._training_hazard.update(step, training_precursor)
@@ -432,10 +431,13 @@ class AdaptiveCheckpointScheduler:
         return decision
 
     def _interval_for(self, score: float) -> int:
-        reduced = self._base * (1.0 - min(score, MAX_SCORE_REDUCTION))
+        # Comparisons rather than min()/max(): this runs at every step a signal is raised.
+        reduced = self._base * (1.0 - (score if score < MAX_SCORE_REDUCTION
+                                       else MAX_SCORE_REDUCTION))
         # Half-up rounding; Python's round() would round 62.5 to 62 but 63.5 to 64.
         interval = math.floor(reduced + 0.5)
-        return min(max(interval, self._min_interval), self._max_interval)
+        low, high = self._min_interval, self._max_interval
+        return low if interval < low else high if interval > high else interval
 
     def _record_save(self, step: int, level: Level) -> None:
         self._last_save_step = step
