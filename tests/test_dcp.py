@@ -46,7 +46,7 @@ from ckptpilot.dcp.format import (
 )
 from ckptpilot.dcp.storage import read_manifest
 from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
-from ckptpilot.policy import load_policy
+from ckptpilot.policy import Policy, load_policy
 from ckptpilot.rundir import read_run_id
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote import RemoteTier
@@ -164,6 +164,12 @@ def _save_and_load_job(rank: int, port: int, run_dir: str) -> None:
 
 
 @pytest.mark.crash
+def _keep_one(policy: Policy) -> Policy:
+    """Retention down to the newest checkpoint (``keep_last`` 1), so a prune has work."""
+    return policy.model_copy(update={
+        "retention": policy.retention.model_copy(update={"keep_last": 1})})
+
+
 def test_two_ranks_save_dtensors_and_load_them_bit_exact_resharded_stock_and_async(
         tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -182,7 +188,7 @@ def test_two_ranks_save_dtensors_and_load_them_bit_exact_resharded_stock_and_asy
         assert row.location == remote.path(dcp_name(row.step))
         assert row.sha256 == manifest["parts"][str(row.rank)], "row and commit file disagree"
 
-    policy = load_policy(None, run_dir=run_dir)
+    policy = _keep_one(load_policy(None, run_dir=run_dir))
     out = io.StringIO()
     assert runops.ls(policy, out) == 0
     listed = [line.split() for line in out.getvalue().splitlines()[1:]]
@@ -340,7 +346,7 @@ def _step_loaded(run_dir: Path, step: int | None = None) -> tuple[int, float]:
 def test_prune_removes_old_dcp_checkpoints_and_recover_sets_later_ones_aside(
         tmp_path: Path) -> None:
     _save_steps(tmp_path, [1, 2, 3, 4])
-    policy = load_policy(None, run_dir=tmp_path)
+    policy = _keep_one(load_policy(None, run_dir=tmp_path))
     checkpoints = tmp_path / "checkpoints"
     out = io.StringIO()
     assert runops.prune(policy, dry_run=False, out=out) == 0

@@ -31,7 +31,8 @@ def _config(tmp: Path, organ_every: int = 100) -> Path:
         f"scheduler: {{base_interval: {INTERVAL}, min_interval: 1, max_interval: 500,\n"
         "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
         f"  loss: {{slope_threshold: 1000.0}}, organ_every: {organ_every}}}\n"
-        "observability: {tensorboard: false, decision_log: false}\n")
+        "observability: {tensorboard: false, decision_log: false}\n"
+        "retention: {auto: false}\n")  # the kill points are checked against every save
     return cfg
 
 

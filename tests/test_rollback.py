@@ -34,6 +34,7 @@ scheduler: {{base_interval: {interval}, min_interval: 1, max_interval: 500, youn
 rollback: {{enabled: {enabled}, baseline_window: 20, patience: 3, max_rollbacks: {max_rollbacks},
   skip_batches: {skip}}}
 observability: {{tensorboard: false, decision_log: true}}
+retention: {{auto: false}}
 """
 
 
