@@ -68,6 +68,7 @@ from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.dcp import Reader, Writer, dcp_name
 from ckptpilot.dcp.reader import usable_steps
 from ckptpilot.dcp.storage import entry_of, is_dcp_entry, list_dcp, remote_of, rows_of, verify_dcp
+from ckptpilot.dcp.writer import codec_selector
 from ckptpilot.errors import CheckpointFormatError, NoCheckpointError, StateError
 from ckptpilot.policy import Policy
 from ckptpilot.restorer import Read, Restored, SkippedCheckpoint
@@ -251,6 +252,7 @@ class ShardedState:
         # DCP's collectives run on the writer thread while training runs its own: on one
         # process group they could interleave differently on different ranks.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._selector = codec_selector(policy)  # one per run: auto's trials carry over
         self._free: list[_Snapshot] = []  # host copies to reuse, at most async.max_pending
         self._max_free = policy.async_.max_pending
         self._lock = threading.Lock()
@@ -330,7 +332,8 @@ class ShardedState:
             t0 = time.perf_counter()
             writer = Writer(self._policy, step=snapshot.step,
                             codecs=plan_save(intent, self._policy).codecs, reason=intent.reason,
-                            retention_class=intent.retention_class, score=intent.score)
+                            retention_class=intent.retention_class, score=intent.score,
+                            codec_selector=self._selector)
             dcp.save(snapshot.state, storage_writer=writer, process_group=self._group,
                      no_dist=self._group is None)
             seconds = time.perf_counter() - t0
@@ -346,6 +349,8 @@ class ShardedState:
                 bytes=row.bytes_encoded or 0, location=row.location, status=row.status,
                 bytes_raw=snapshot.nbytes, write_seconds=row.seconds_write or 0.0)
             self._writer.saves.append(record)
+            if record.status is Status.VALID:
+                self._writer.retain()
             self._telemetry.save(snapshot.step, {
                 "checkpoint/save_seconds": seconds, "checkpoint/stall_seconds": stall,
                 "checkpoint/bytes": float(record.bytes)})

@@ -223,7 +223,7 @@ class CheckpointWriter:
                 "checkpoint/ratio": snapshot.nbytes / max(record.bytes, 1),
             })
             if record.status is Status.VALID and record.tier is Tier.REMOTE:
-                self._retain()
+                self.retain()
             if (record.status is Status.VALID and plan.keep_in_memory
                     and self._memory is not None):
                 job.tier = Tier.MEMORY
@@ -246,9 +246,10 @@ class CheckpointWriter:
         self._catalog.store.audit("save-refused", {"step": snapshot.step, "rank": self._rank,
                                                    "reason": str(error)})
 
-    def _retain(self) -> None:
-        """Retention after a published save (``retention.auto``); its failure is logged and
-        retried by the next one: a checkpoint kept too long is no loss."""
+    def retain(self) -> None:
+        """(writer thread) Retention after a published save (``retention.auto``; also called
+        by the sharded path after its DCP saves); a failure is logged and retried by the next
+        one: a checkpoint kept too long is no loss."""
         if self._pruner is None or not self._pruner.auto:
             return
         try:

@@ -126,6 +126,16 @@ def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def codec_selector(policy: Policy) -> CodecSelector:
+    """The codec choice of a run's DCP saves, from its policy: keep one for the whole run and
+    pass it to every :class:`Writer`."""
+    codecs = policy.codecs
+    return CodecSelector(
+        {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
+        bandwidth_bytes_per_s=policy.tiers.remote.bandwidth, level=codecs.zstd_level,
+        prefix_bits=codecs.prefix_bits, threads=codecs.threads)
+
+
 class Writer(StorageWriter):
     """Saves a DCP state dict as step ``step`` of the run in ``target`` (a run directory, or
     a resolved :class:`~ckptpilot.policy.Policy` whose ``tiers.remote`` is used); see the
@@ -139,7 +149,8 @@ class Writer(StorageWriter):
     def __init__(self, target: Policy | str | os.PathLike[str], *, step: int,
                  codecs: bool = False, reason: str = "dcp.save",
                  retention_class: RetentionClass | str = RetentionClass.ROUTINE,
-                 score: float | None = None) -> None:
+                 score: float | None = None,
+                 codec_selector: CodecSelector | None = None) -> None:
         super().__init__()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step: expected a non-negative int, got {step!r}")
@@ -156,6 +167,10 @@ class Writer(StorageWriter):
         self._run_dir = Path(self.policy.run_dir)
         self._rank = 0
         self._staging: str | None = None
+        # A run that saves many times passes one selector: its ``auto`` trials are then
+        # reused from save to save instead of run again for every save. Used only with
+        # ``codecs`` on (``_selector`` stays None otherwise: plain DCP items).
+        self._run_selector = codec_selector
         self._selector: CodecSelector | None = None
 
     # -- StorageWriter ----------------------------------------------------------------------
@@ -197,11 +212,14 @@ class Writer(StorageWriter):
         t0 = time.perf_counter()
         if plan.items:
             if self.codecs:
-                self._selector = self._selector or self._codec_selector()
+                self._selector = (self._selector or self._run_selector
+                                  or self._codec_selector())
                 self._selector.new_save()
             # Objects first, then tensors, as FileSystemWriter orders them.
             ordered = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
-            with self.remote.open_write(rel) as out:
+            # Each item is hashed as it is written (_ItemStream); a whole-file digest
+            # would hash every byte a second time and nothing reads it.
+            with self.remote.open_write(rel, digest=False) as out:
                 for item in ordered:
                     t = time.perf_counter()
                     data = planner.resolve_data(item)
@@ -277,11 +295,7 @@ class Writer(StorageWriter):
     # -- helpers ----------------------------------------------------------------------------
 
     def _codec_selector(self) -> CodecSelector:
-        codecs = self.policy.codecs
-        return CodecSelector(
-            {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
-            bandwidth_bytes_per_s=self.policy.tiers.remote.bandwidth, level=codecs.zstd_level,
-            prefix_bits=codecs.prefix_bits, threads=codecs.threads)
+        return codec_selector(self.policy)
 
     def _write_item(self, out: HashingWriter, item: WriteItem, data: Any, file: str,
                     codecs: Counter[str]) -> ItemRecord:

@@ -102,19 +102,19 @@ class RemoteTier:
         return out.size, out.sha256
 
     @contextmanager
-    def open_write(self, relpath: str) -> Iterator[HashingWriter]:
+    def open_write(self, relpath: str, *, digest: bool = True) -> Iterator[HashingWriter]:
         """A file object for a producer that writes by itself (the codec container); hashed
         like ``write_file`` and made durable when the block ends without an error."""
         target = self.path(relpath)
         if self.is_local:
             with open(target, "wb") as f:
-                out = HashingWriter(f)
+                out = HashingWriter(f, digest=digest)
                 yield out
                 f.flush()
                 os.fsync(f.fileno())
         else:
             with self.fs.open(target, "wb") as f:
-                out = HashingWriter(f)
+                out = HashingWriter(f, digest=digest)
                 yield out
 
     def publish(self, staging: str, final: str) -> None:
@@ -223,22 +223,26 @@ class RemoteTier:
 
 
 class HashingWriter:
-    """``write`` that feeds SHA256 and counts bytes on the way to the file."""
+    """``write`` that feeds SHA256 and counts bytes on the way to the file; with
+    ``digest=False`` it only counts (a producer that hashes its own items)."""
 
-    def __init__(self, fileobj: IO[bytes]) -> None:
+    def __init__(self, fileobj: IO[bytes], *, digest: bool = True) -> None:
         self._file = fileobj
-        self._digest = hashlib.sha256()
+        self._digest = hashlib.sha256() if digest else None
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
-        self._digest.update(view)
+        if self._digest is not None:
+            self._digest.update(view)
         self._file.write(view)
         self.size += len(view)
         return len(view)
 
     @property
     def sha256(self) -> str:
+        if self._digest is None:
+            raise ValueError("this file was written with digest=False: nothing was hashed")
         return self._digest.hexdigest()
 
 
