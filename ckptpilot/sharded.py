@@ -33,6 +33,10 @@ every saved data-parallel rank (:func:`resume_cursor`), or refused. The memory a
 hold one rank's replicated state: they take no sharded save, and no sharded restore reads
 them.
 
+Long because capture, save, the collective restore and resharding all read and write one
+layout (the key scheme and the per-rank meta document above); split, each part would have to
+re-derive it, and a change to it would have to land in several modules at once.
+
 It must not decide when to save (the pilot, the scheduler) nor how bytes are laid out and
 verified (``ckptpilot.dcp``). Threading: ``save``, ``restore`` and ``apply`` run on the
 training thread; the ``dcp.save`` of a save on the writer thread.

@@ -89,7 +89,8 @@ def _policy_file(tmp_path: Path, endpoint: str, bucket: str) -> Path:
         "observability": {"tensorboard": False, "decision_log": False},
         "tiers": {"remote": {"url": f"s3://{bucket}/runs/exp1",
                              "storage_options": _options(endpoint)}},
-        "retention": {"routine_keep": 1},
+        # auto off: every save stays until the test prunes by hand (the same executor).
+        "retention": {"routine_keep": 1, "auto": False},
     }))
     return cfg
 
