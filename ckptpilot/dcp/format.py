@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
 from ckptpilot.codecs.registry import decode_blob
-from ckptpilot.errors import CheckpointFormatError, IntegrityError
+from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.format.manifest import decode_self_digested
 from ckptpilot.tiers.remote import COMMIT_FILE
 
 __all__ = [
@@ -270,20 +271,8 @@ def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
 def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     """The commit file in ``raw``, checked for format, version and its own digest (a
     mismatch raises ``IntegrityError``, any other fault ``CheckpointFormatError``)."""
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != DCP_FORMAT:
-        raise CheckpointFormatError(f"{where}: not a {DCP_FORMAT} manifest")
-    if manifest.get("format_version") != DCP_FORMAT_VERSION:
-        raise CheckpointFormatError(
-            f"{where}: format version {manifest.get('format_version')!r} is not supported "
-            f"(this ckptpilot reads version {DCP_FORMAT_VERSION})")
-    actual = _digest(manifest)
-    if manifest.get("self_sha256") != actual:
-        raise IntegrityError(where, str(manifest.get("self_sha256")), actual)
-    return manifest
+    return decode_self_digested(raw, where, fmt=DCP_FORMAT, version=DCP_FORMAT_VERSION,
+                                digest=_digest)
 
 
 def manifest_items(manifest: Mapping[str, Any], where: str) -> dict[MetadataIndex, ItemRecord]:

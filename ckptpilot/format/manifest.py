@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
@@ -80,17 +80,26 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     ``where`` (the manifest's path) starts every error message. A digest mismatch raises
     :class:`~ckptpilot.errors.IntegrityError`, any other fault ``CheckpointFormatError``.
     """
+    return decode_self_digested(raw, where, fmt=MANIFEST_FORMAT, version=MANIFEST_VERSION,
+                                digest=manifest_digest)
+
+
+def decode_self_digested(raw: bytes, where: str, *, fmt: str, version: int,
+                         digest: Callable[[Mapping[str, Any]], str]) -> dict[str, Any]:
+    """A JSON document that names its ``format`` and ``format_version`` and carries
+    ``self_sha256`` = ``digest(document)``: every commit file of ckptpilot (this manifest, the
+    DCP manifest) is checked through here."""
     try:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise CheckpointFormatError(f"{where}: not a {MANIFEST_FORMAT} manifest")
-    if manifest.get("format_version") != MANIFEST_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise CheckpointFormatError(f"{where}: not a {fmt} manifest")
+    if manifest.get("format_version") != version:
         raise CheckpointFormatError(
             f"{where}: format version {manifest.get('format_version')!r} is not supported "
-            f"(this ckptpilot reads version {MANIFEST_VERSION})")
-    actual = manifest_digest(manifest)
+            f"(this ckptpilot reads version {version})")
+    actual = digest(manifest)
     if manifest.get("self_sha256") != actual:
         raise IntegrityError(where, str(manifest.get("self_sha256")), actual)
     return manifest
