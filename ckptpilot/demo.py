@@ -247,9 +247,13 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                     rate = (ev["step"] - run.restored.get("step", 0)) / (time.monotonic() - t0)
                     print(f"[{label}] step {ev['step']:>5}/{total}  loss {ev['loss']:.3f}  "
                           f"{rate:5.1f} steps/s  checkpoints written {len(run.saves)}")
-                if kill_at is not None and ev["step"] >= kill_at:
+                if kill_at is not None and ev["step"] >= kill_at and (
+                        _saved_before(run, kill_at) or ev["step"] >= steps - 1):
                     proc.send_signal(signal.SIGKILL)
-                    print(f"[{label}] SIGKILL sent at step {ev['step']}")
+                    late = "" if ev["step"] == kill_at else (
+                        " (waited for the checkpoints before step "
+                        f"{kill_at} to become durable)")
+                    print(f"[{label}] SIGKILL sent at step {ev['step']}{late}")
                     break
             elif kind == "decision":
                 run.decisions.append(ev)
@@ -265,6 +269,13 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                 run.stats = ev["stats"]
     finally:
         run.returncode = proc.wait()
+
+
+def _saved_before(run: _Run, step: int) -> bool:
+    """Whether every save decided before ``step`` is durable: the demo's crash then always
+    tells the same story (recovery to the last checkpoint before it), however slow the box."""
+    done = {s["step"] for s in run.saves}
+    return all(d["step"] in done for d in run.decisions if d["save"] and d["step"] < step)
 
 
 def _print_decision(label: str, ev: dict[str, Any], run: _Run) -> None:

@@ -31,11 +31,13 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     summary = out.stdout.split("\nsummary\n", 1)[1]
     fields = dict(line.strip().split("  ", 1) for line in summary.splitlines() if line.strip())
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    assert fields["crash"] == "SIGKILL of the training process at step 24"
+    # Killed at 24, or later on a slow box once the step-20 save is durable.
+    crash = int(fields["crash"].removeprefix("SIGKILL of the training process at step "))
+    assert 24 <= crash < 30
     assert fields["recovered step"] == "20"
-    assert fields["steps lost"] == "4"
+    assert fields["steps lost"] == str(crash - 20)
     assert fields["recovery source"].startswith("remote (")
-    assert fields["replayed steps"].startswith("4/4 losses bit-identical")
+    assert fields["replayed steps"].startswith(f"{crash - 20}/{crash - 20} losses bit-identical")
     assert fields["checkpoints saved"].startswith("4 ")
     assert float(fields["median stall per save"].split()[0]) > 0
     # Saved 10, 20, 30, 40 (routine pulses); retention during training keeps the newest
@@ -50,7 +52,7 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     report = ckptpilot("report", "--run-dir", str(run_dir), "--config", str(cfg))
     assert report.returncode == 0, report.stderr
     table = {line.split("  ", 1)[0]: line for line in report.stdout.splitlines()}
-    assert "4 steps lost x step time" in table["lost to failures"]
+    assert f"{crash - 20} steps lost x step time" in table["lost to failures"]
     assert table["failures"].startswith("failures             1 interruption(s), 0 rollback(s)")
 
     again = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))

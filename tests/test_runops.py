@@ -30,7 +30,7 @@ def policy_file(tmp_path: Path) -> Path:
                     weights: {loss: 1.0, grad: 0.0, system: 0.0},
                     loss: {slope_threshold: 1000.0}}
         observability: {tensorboard: false, decision_log: false}
-        retention: {best: {metric: val_loss, mode: min, keep: 1}, auto: false}
+        retention: {best: {metric: val_loss, mode: min, keep: 1}, auto: false, keep_last: 1}
         """))
     return cfg
 
