@@ -636,13 +636,16 @@ class TiersPolicy(_Section):
 class ValidationPolicy(_Section):
     """Checks run before a checkpoint is published (SPEC §7).
 
-    ``load_test``: ``subprocess`` decodes every checkpoint in a separate process; ``none``
-    skips it (the word ``off`` would be read by YAML as the boolean false).
+    ``load_test``: ``subprocess`` checks every checkpoint in a separate process; ``none``
+    skips it (the word ``off`` would be read by YAML as the boolean false). ``paranoid``:
+    re-read what was just written — re-hash every file (``sha256``) and decode every tensor —
+    instead of trusting the digests computed from the very buffers that were written.
     """
 
     sha256: bool = True
     load_test: Literal["subprocess", "none"] = "subprocess"
     consistency: bool = True
+    paranoid: bool = False
 
 
 class BestMetricPolicy(_Section):

@@ -326,7 +326,8 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
             aside = _set_aside(run.db_path, label)
             print(f"kept the previous database as {aside}", file=out)
     store = MetadataStore(run.db_path) if rebuild else run.store(read_only=dry_run)
-    validator = PostWriteValidator(policy.validation)
+    # Checking stored checkpoints for rot is re-reading them: always the paranoid mode.
+    validator = PostWriteValidator(policy.validation.model_copy(update={"paranoid": True}))
     table = []
     bad = 0
     would_mark = {Status.VALID: 0, Status.CORRUPTED: 0}

@@ -45,7 +45,8 @@ from ckptpilot.vocab import Level, RetentionClass
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format"
 PEER_IMAGE = FIXTURES / "peer_image.v1.json"
-ARCHIVE_ROOT = FIXTURES / "archive.v1"
+ARCHIVE_ROOT = FIXTURES / "archive.v2"
+ARCHIVE_V1 = FIXTURES / "archive.v1"  # whole-file SHA256s: no writer makes them, still read
 SAFETENSORS_ARCHIVE = "step_00000007_rank_00000"
 CONTAINER_ARCHIVE = "step_00000008_rank_00000"
 RING_V2 = FIXTURES / "heartbeat.v2.ring"
@@ -174,9 +175,9 @@ def archive_files(root: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-def golden_tier(tmp_path: Path) -> RemoteTier:
+def golden_tier(tmp_path: Path, root: Path = ARCHIVE_ROOT) -> RemoteTier:
     """A copy of the golden archives: reading must not depend on the fixtures being writable."""
-    shutil.copytree(ARCHIVE_ROOT, tmp_path / "remote")
+    shutil.copytree(root, tmp_path / "remote")
     return RemoteTier(str(tmp_path / "remote"))
 
 
@@ -235,14 +236,15 @@ def test_todays_archive_writer_reproduces_the_golden_archives(tmp_path: Path) ->
     assert archive_files(tmp_path / "remote") == archive_files(ARCHIVE_ROOT)
 
 
+@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("name", [SAFETENSORS_ARCHIVE, CONTAINER_ARCHIVE])
-def test_a_golden_archive_reads_back_bit_exact(tmp_path: Path, name: str) -> None:
-    tier = golden_tier(tmp_path)
+def test_a_golden_archive_reads_back_bit_exact(tmp_path: Path, name: str, version: int) -> None:
+    tier = golden_tier(tmp_path, ARCHIVE_ROOT if version == 2 else ARCHIVE_V1)
     manifest = archive.read_manifest(tier, name)
     step = 7 if name == SAFETENSORS_ARCHIVE else 8
     assert {k: manifest[k] for k in ("format", "format_version", "name", "step", "level",
                                      "retention_class", "score", "created_unix")} == {
-        "format": "ckptpilot-organ", "format_version": 1, "name": name, "step": step,
+        "format": "ckptpilot-organ", "format_version": version, "name": name, "step": step,
         "level": "organ", "retention_class": "milestone", "score": 1.5,
         "created_unix": CREATED_UNIX}
     loaded = archive.read_organ(tier, name, manifest_sha256=manifest["self_sha256"])
@@ -267,7 +269,7 @@ def test_a_golden_manifest_with_one_changed_byte_is_refused(tmp_path: Path) -> N
     tier = golden_tier(tmp_path)
     path = tmp_path / "remote" / SAFETENSORS_ARCHIVE / archive.MANIFEST_FILE
     path.write_bytes(path.read_bytes().replace(b'"golden"', b'"g0lden"'))
-    with pytest.raises(IntegrityError, match=r"manifest\.json: SHA256 mismatch \(expected ed3e"):
+    with pytest.raises(IntegrityError, match=r"manifest\.json: SHA256 mismatch \(expected b415"):
         archive.read_manifest(tier, SAFETENSORS_ARCHIVE)
 
 

@@ -58,7 +58,26 @@ def test_bytes_differing_from_what_was_written_fail(checker: LoadChecker, tmp_pa
     data[-1] ^= 0xFF
     (d / TENSORS_FILE).write_bytes(bytes(data))
     result = checker.check(d, manifest, layout)
-    assert not result.ok and "tensors.safetensors: SHA256" in result.reason
+    assert not result.ok and "tensors.safetensors bytes [0, " in result.reason
+    assert "SHA256 mismatch" in result.reason
+
+
+def test_the_default_mode_reads_headers_not_the_bytes_it_hashed_while_writing(
+        checker: LoadChecker, tmp_path: Path) -> None:
+    """Without ``reread`` (validation.paranoid off) a flipped tensor byte is the writer's
+    digests' business, not the load test's; a truncated file or a broken header still fails."""
+    d, manifest, layout = staged(tmp_path)
+    data = bytearray((d / TENSORS_FILE).read_bytes())
+    data[-1] ^= 0xFF
+    (d / TENSORS_FILE).write_bytes(bytes(data))
+    assert checker.check(d, manifest, layout, reread=False).ok
+    (d / TENSORS_FILE).write_bytes(bytes(data[:-1]))
+    result = checker.check(d, manifest, layout, reread=False)
+    assert not result.ok and f"{TENSORS_FILE}: {len(data) - 1} bytes, the manifest says" \
+        in result.reason
+    data[8:12] = b"\xff\xff\xff\xff"  # the header's opening bytes: not JSON any more
+    (d / TENSORS_FILE).write_bytes(bytes(data))
+    assert not checker.check(d, manifest, layout, reread=False).ok
 
 
 def test_layout_differing_from_the_live_model_fails(checker: LoadChecker, tmp_path: Path) -> None:
@@ -110,6 +129,7 @@ def test_a_hanging_load_times_out_and_the_worker_is_replaced(tmp_path: Path) -> 
     d, manifest, layout = staged(tmp_path)
     (d / TENSORS_FILE).unlink()
     os.mkfifo(d / TENSORS_FILE)  # opening it for reading blocks forever
+    manifest["files"][TENSORS_FILE]["bytes"] = 0  # a FIFO's size: past the size check
     lc = LoadChecker(timeout_seconds=3)
     try:
         result = lc.check(d, manifest, layout)

@@ -138,8 +138,8 @@ def _wrap_remote_writes(on_open: Callable[[RemoteTier, str, HashingWriter], None
     original = RemoteTier.open_write
 
     @contextlib.contextmanager
-    def open_write(self: RemoteTier, relpath: str) -> Iterator[HashingWriter]:
-        with original(self, relpath) as out:
+    def open_write(self: RemoteTier, relpath: str, **kwargs: Any) -> Iterator[HashingWriter]:
+        with original(self, relpath, **kwargs) as out:
             on_open(self, relpath, out)
             yield out
 
@@ -270,7 +270,8 @@ def _enospc(job: Job, at_step: int) -> None:
 
 
 _REMOTE_IO = ("new_staging", "write_file", "open_write", "publish", "set_aside", "list",
-              "exists", "open_read", "read_bytes", "size", "read_into", "digest", "remove")
+              "exists", "open_read", "read_bytes", "size", "read_verified", "verify", "digest",
+              "write_record", "remove")
 
 
 def _remote_down() -> None:

@@ -2,11 +2,12 @@
 
 An archive (``storage/archive.py``) is complete only once its manifest is there; the manifest
 names the format and its version, the checkpoint (name, step, rank), why and how it was kept
-(level, reason, retention class, score), and the size and SHA256 of every other file, and it
-carries ``self_sha256``, the SHA256 of its own other keys (``json.dumps(..., sort_keys=True)``),
-so a manifest edited or damaged after writing is refused. The key order and the one-space
-indent are part of the format: the metadata store records ``self_sha256``, and a golden file
-pins the bytes.
+(level, reason, retention class, score), and the size and digests of every other file
+(version 2: the SHA256 of every chunk, ``format.digest``; version 1, still read: one SHA256 of
+the whole file), and it carries ``self_sha256``, the SHA256 of its own other keys
+(``json.dumps(..., sort_keys=True)``), so a manifest edited or damaged after writing is
+refused. The key order and the one-space indent are part of the format: the metadata store
+records ``self_sha256``, and a golden file pins the bytes.
 
 Owns the format name and version, the manifest's keys, its bytes and their check. Must not
 touch files or decide what an archive's name means: the archive module reads and writes, and
@@ -32,7 +33,8 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = "ckptpilot-organ"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -47,8 +49,8 @@ def build_manifest(*, name: str, step: int, rank: int, world_size: int, epoch: i
                    files: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """A complete manifest, ``self_sha256`` included, keys in the format's order.
 
-    ``files`` maps each file of the archive to ``{"bytes", "sha256"}`` (a container also has
-    ``tensors_digest``).
+    ``files`` maps each file of the archive to its record (``format.digest``; a container's
+    also has ``tensors_digest``).
     """
     manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
@@ -80,11 +82,11 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     ``where`` (the manifest's path) starts every error message. A digest mismatch raises
     :class:`~ckptpilot.errors.IntegrityError`, any other fault ``CheckpointFormatError``.
     """
-    return decode_self_digested(raw, where, fmt=MANIFEST_FORMAT, version=MANIFEST_VERSION,
+    return decode_self_digested(raw, where, fmt=MANIFEST_FORMAT, version=READABLE_VERSIONS,
                                 digest=manifest_digest)
 
 
-def decode_self_digested(raw: bytes, where: str, *, fmt: str, version: int,
+def decode_self_digested(raw: bytes, where: str, *, fmt: str, version: int | tuple[int, ...],
                          digest: Callable[[Mapping[str, Any]], str]) -> dict[str, Any]:
     """A JSON document that names its ``format`` and ``format_version`` and carries
     ``self_sha256`` = ``digest(document)``: every commit file of ckptpilot (this manifest, the
@@ -95,10 +97,11 @@ def decode_self_digested(raw: bytes, where: str, *, fmt: str, version: int,
         raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise CheckpointFormatError(f"{where}: not a {fmt} manifest")
-    if manifest.get("format_version") != version:
+    versions = (version,) if isinstance(version, int) else version
+    if manifest.get("format_version") not in versions:
         raise CheckpointFormatError(
             f"{where}: format version {manifest.get('format_version')!r} is not supported "
-            f"(this ckptpilot reads version {version})")
+            f"(this ckptpilot reads version {' and '.join(map(str, versions))})")
     actual = digest(manifest)
     if manifest.get("self_sha256") != actual:
         raise IntegrityError(where, str(manifest.get("self_sha256")), actual)

@@ -9,9 +9,10 @@ Layout of ``step_{step:08d}_rank_{rank:05d}/``:
   (``ckptpilot.codecs.container``) with every tensor encoded on its own and no reference to any
   other checkpoint — a passive store cannot fold deltas, so a pulse here is self-contained;
 - ``state.json`` — everything else (optimizer structure, schedulers, RNG, data cursor, extras);
-- ``manifest.json`` — format name and version, step/rank/level, per-file size and SHA256, and
-  a digest of the manifest itself (its keys and bytes: ``ckptpilot.format.manifest``). Written
-  last: a directory without a valid manifest is an incomplete checkpoint and is never loaded.
+- ``manifest.json`` — format name and version, step/rank/level, per-file size and SHA256 of
+  every chunk (``ckptpilot.format.digest``), and a digest of the manifest itself (its keys
+  and bytes: ``ckptpilot.format.manifest``). Written last: a directory without a valid
+  manifest is an incomplete checkpoint and is never loaded.
 
 This module owns the layout and its verification; durability and atomic publication belong to
 the tier, the choice of which checkpoint to load to the pilot.
@@ -29,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptpilot.codecs.container import (
@@ -124,7 +126,7 @@ def check_safetensors_header(header: Mapping[str, Any], data_bytes: int,
                 f"but the file holds {data_bytes} data bytes")
 
 
-def parse_safetensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
+def parse_safetensors(buf: bytearray | np.ndarray, where: str) -> dict[str, torch.Tensor]:
     """Tensors as views of ``buf`` (no copy): a safetensors file already read into memory."""
     if len(buf) < 8:
         raise CheckpointFormatError(f"{where}: shorter than a safetensors header")
@@ -254,17 +256,14 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     files: dict[str, dict[str, Any]] = {}
     index = None
     if codec_for is None:
-        size, sha = tier.write_file(f"{staging}/{TENSORS_FILE}",
-                                    _safetensors_chunks(snapshot.tensors))
-        files[TENSORS_FILE] = {"bytes": size, "sha256": sha}
+        files[TENSORS_FILE] = tier.write_record(f"{staging}/{TENSORS_FILE}",
+                                                _safetensors_chunks(snapshot.tensors))
     else:
-        with tier.open_write(f"{staging}/{CONTAINER_FILE}") as out:
+        with tier.open_write(f"{staging}/{CONTAINER_FILE}", chunked=True) as out:
             index = write_container(out, snapshot.tensors, {"step": snapshot.step}, codec_for)
-        files[CONTAINER_FILE] = {"bytes": out.size, "sha256": out.sha256,
-                                 "tensors_digest": _tensors_digest(index)}
+        files[CONTAINER_FILE] = {**out.record, "tensors_digest": _tensors_digest(index)}
     state_raw = json.dumps(meta, separators=(",", ":")).encode()
-    size, sha = tier.write_file(f"{staging}/{STATE_FILE}", [state_raw])
-    files[STATE_FILE] = {"bytes": size, "sha256": sha}
+    files[STATE_FILE] = tier.write_record(f"{staging}/{STATE_FILE}", [state_raw])
     manifest = build_manifest(
         name=name, step=snapshot.step, rank=meta["rank"], world_size=meta["world_size"],
         epoch=meta.get("epoch"), level=level, reason=reason, retention_class=retention_class,
@@ -315,6 +314,12 @@ def _check_file(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, Any])
     return rel
 
 
+def check_sizes(tier: RemoteTier, name: str, manifest: Mapping[str, Any]) -> None:
+    """Every file of the archive exists with the size its manifest says (nothing read)."""
+    for fname, rec in manifest["files"].items():
+        _check_file(tier, name, fname, rec)
+
+
 def verify_organ(tier: RemoteTier, name: str,
                  manifest: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     """Re-hash every file of the archive against its manifest (streaming, nothing kept);
@@ -322,22 +327,14 @@ def verify_organ(tier: RemoteTier, name: str,
     if manifest is None:
         manifest = read_manifest(tier, name)
     for fname, rec in manifest["files"].items():
-        rel = _check_file(tier, name, fname, rec)
-        _, sha = tier.digest(rel)
-        if sha != rec["sha256"]:
-            raise IntegrityError(tier.path(rel), rec["sha256"], sha)
+        tier.verify(_check_file(tier, name, fname, rec), rec)
     return manifest
 
 
 def _read_verified(tier: RemoteTier, name: str, fname: str, rec: Mapping[str, Any]
-                   ) -> bytearray:
-    """The file's bytes, read once and checked against the manifest's size and SHA256."""
-    rel = _check_file(tier, name, fname, rec)
-    buf = tier.read_into(rel, rec["bytes"])
-    sha = hashlib.sha256(buf).hexdigest()
-    if sha != rec["sha256"]:
-        raise IntegrityError(tier.path(rel), rec["sha256"], sha)
-    return buf
+                   ) -> np.ndarray:
+    """The file's bytes, read once and checked against the manifest's size and digests."""
+    return tier.read_verified(_check_file(tier, name, fname, rec), rec)
 
 
 def read_organ(tier: RemoteTier, name: str, *, manifest_sha256: str | None = None

@@ -34,7 +34,17 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
+
+from ckptpilot.errors import IntegrityError
+from ckptpilot.format.digest import (
+    ChunkDigest,
+    check_chunk,
+    chunk_ranges,
+    hash_pool,
+    is_chunked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +111,31 @@ class RemoteTier:
                 out.write(chunk)
         return out.size, out.sha256
 
+    def write_record(self, relpath: str, chunks: Iterable[bytes | memoryview]
+                     ) -> dict[str, Any]:
+        """``write_file`` with chunk digests (``format.digest``): returns the file record,
+        hashed on several threads while the bytes are written."""
+        with self.open_write(relpath, chunked=True) as out:
+            for chunk in chunks:
+                out.write(chunk)
+        return out.record
+
     @contextmanager
-    def open_write(self, relpath: str, *, digest: bool = True) -> Iterator[HashingWriter]:
+    def open_write(self, relpath: str, *, digest: bool = True,
+                   chunked: bool = False) -> Iterator[HashingWriter]:
         """A file object for a producer that writes by itself (the codec container); hashed
-        like ``write_file`` and made durable when the block ends without an error."""
+        like ``write_file`` (``chunked``: like ``write_record``) and made durable when the
+        block ends without an error."""
         target = self.path(relpath)
         if self.is_local:
             with open(target, "wb") as f:
-                out = HashingWriter(f, digest=digest)
+                out = HashingWriter(f, digest=digest, chunked=chunked)
                 yield out
                 f.flush()
                 os.fsync(f.fileno())
         else:
             with self.fs.open(target, "wb") as f:
-                out = HashingWriter(f, digest=digest)
+                out = HashingWriter(f, digest=digest, chunked=chunked)
                 yield out
 
     def publish(self, staging: str, final: str) -> None:
@@ -168,20 +189,86 @@ class RemoteTier:
     def size(self, relpath: str) -> int:
         return int(self.fs.size(self.path(relpath)))
 
-    def read_into(self, relpath: str, size: int) -> bytearray:
-        """The first ``size`` bytes of a file in a fresh buffer, read once (no mmap)."""
-        buf = bytearray(size)
+    def read_verified(self, relpath: str, rec: Mapping[str, Any]) -> np.ndarray:
+        """The file's ``rec["bytes"]`` bytes in a fresh buffer, read once (no mmap) and checked
+        against the record's digests as they arrive; raises ``IntegrityError`` naming the byte
+        range that differs.
+
+        The buffer is never zero-filled first. Chunk digests (``format.digest``): on a local
+        file system each chunk is read with ``pread`` and hashed on the hashing threads, several
+        in flight; elsewhere the stream is read in order while the chunks already read are
+        hashed. A whole-file digest (version 1) is computed on one thread behind the reads.
+        """
+        where = self.path(relpath)
+        buf = np.empty(int(rec["bytes"]), dtype=np.uint8)
         view = memoryview(buf)
-        got = 0
+        if is_chunked(rec):
+            ranges = chunk_ranges(rec, where)
+            if self.is_local:
+                fd = os.open(where, os.O_RDONLY)
+                try:
+                    for _ in hash_pool().map(
+                            lambda r: _pread_checked(fd, view, *r, where), ranges):
+                        pass
+                finally:
+                    os.close(fd)
+                return buf
+            with self.open_read(relpath) as f:
+                pending = []
+                for begin, end, sha in ranges:
+                    _readinto_exact(f, view[begin:end], where)
+                    pending.append(hash_pool().submit(check_chunk, view[begin:end], begin, end,
+                                                      sha, where))
+                for future in pending:
+                    future.result()
+            return buf
+        h = hashlib.sha256()
+        last = None
         with self.open_read(relpath) as f:
-            while got < size:
-                n = f.readinto(view[got:got + _READ_CHUNK])
-                if not n:
-                    break
-                got += n
-        if got != size:
-            raise OSError(f"{self.path(relpath)}: read {got} of {size} bytes")
+            for begin in range(0, len(view), _READ_CHUNK):
+                piece = view[begin:begin + _READ_CHUNK]
+                _readinto_exact(f, piece, where)
+                if last is not None:
+                    last.result()
+                last = hash_pool().submit(h.update, piece)
+        if last is not None:
+            last.result()
+        if h.hexdigest() != rec["sha256"]:
+            raise IntegrityError(where, str(rec["sha256"]), h.hexdigest())
         return buf
+
+    def verify(self, relpath: str, rec: Mapping[str, Any]) -> None:
+        """Check a stored file against its record without keeping its bytes (chunks hashed
+        in parallel as in :meth:`read_verified`, a few chunks of memory at a time)."""
+        where = self.path(relpath)
+        if not is_chunked(rec):
+            _, sha = self.digest(relpath)
+            if sha != rec["sha256"]:
+                raise IntegrityError(where, str(rec["sha256"]), sha)
+            return
+        ranges = chunk_ranges(rec, where)
+        if self.is_local:
+            fd = os.open(where, os.O_RDONLY)
+            try:
+                def one(r: tuple[int, int, str]) -> None:
+                    begin, end, sha = r
+                    scratch = memoryview(np.empty(end - begin, dtype=np.uint8))
+                    _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin)
+                for _ in hash_pool().map(one, ranges):
+                    pass
+            finally:
+                os.close(fd)
+            return
+        with self.open_read(relpath) as f:
+            pending: list[Any] = []
+            for begin, end, sha in ranges:
+                data = memoryview(np.empty(end - begin, dtype=np.uint8))
+                _readinto_exact(f, data, where)
+                pending.append(hash_pool().submit(check_chunk, data, begin, end, sha, where))
+                if len(pending) >= 4:
+                    pending.pop(0).result()
+            for future in pending:
+                future.result()
 
     def digest(self, relpath: str) -> tuple[int, str]:
         """Stream a stored file once; returns (size, SHA256 hex)."""
@@ -224,26 +311,70 @@ class RemoteTier:
 
 class HashingWriter:
     """``write`` that feeds SHA256 and counts bytes on the way to the file; with
-    ``digest=False`` it only counts (a producer that hashes its own items)."""
+    ``digest=False`` it only counts (a producer that hashes its own items); with ``chunked``
+    the chunk digests of ``format.digest`` run on the hashing threads while the same bytes go
+    to the file, and ``write`` returns once both are done (the caller may then reuse its
+    buffer)."""
 
-    def __init__(self, fileobj: IO[bytes], *, digest: bool = True) -> None:
+    def __init__(self, fileobj: IO[bytes], *, digest: bool = True,
+                 chunked: bool = False) -> None:
         self._file = fileobj
-        self._digest = hashlib.sha256() if digest else None
+        self._digest = hashlib.sha256() if digest and not chunked else None
+        self._chunks = ChunkDigest() if chunked else None
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
-        if self._digest is not None:
-            self._digest.update(view)
-        self._file.write(view)
+        if self._chunks is not None:
+            pending = self._chunks.update(view)
+            try:
+                self._file.write(view)
+            finally:
+                for future in pending:
+                    future.result()
+        else:
+            if self._digest is not None:
+                self._digest.update(view)
+            self._file.write(view)
         self.size += len(view)
         return len(view)
 
     @property
     def sha256(self) -> str:
         if self._digest is None:
-            raise ValueError("this file was written with digest=False: nothing was hashed")
+            raise ValueError("this file was written without a whole-file digest")
         return self._digest.hexdigest()
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The chunked file record (``format.digest``) of what was written."""
+        if self._chunks is None:
+            raise ValueError("this file was written without chunk digests")
+        return self._chunks.record()
+
+
+def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise OSError(f"{where}: file ends {len(view) - got} bytes early")
+        got += n
+
+
+def _pread_checked(fd: int, view: memoryview, begin: int, end: int, sha: str, where: str,
+                   *, at: int | None = None) -> None:
+    """Read file bytes ``[at, at + end - begin)`` (``at`` defaults to ``begin``) into
+    ``view[begin:end]`` and check them against ``sha``."""
+    offset = begin if at is None else at
+    piece = view[begin:end]
+    got = 0
+    while got < len(piece):
+        n = os.preadv(fd, [piece[got:]], offset + got)
+        if not n:
+            raise OSError(f"{where}: file ends {len(piece) - got} bytes early")
+        got += n
+    check_chunk(piece, offset, offset + len(piece), sha, where)
 
 
 def _fsync_dir(path: str) -> None:

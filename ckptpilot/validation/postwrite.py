@@ -1,10 +1,11 @@
 """Post-write validation: may this staged checkpoint become ``valid``? (SPEC §7)
 
 Runs the checks the policy's ``validation`` section enables on a checkpoint that is written
-but not yet published: the load test in a separate process (which re-hashes every file
-against the digests computed while writing, decodes every tensor, checks the required fields
-and the consistency of names/shapes/dtypes with the live model), or — with
-``load_test: none`` — a re-hash only. Owns the load-test worker's lifetime.
+but not yet published: the load test in a separate process (file sizes, headers, the required
+fields and the consistency of names/shapes/dtypes with the live model; in the paranoid mode
+also a re-hash of every file against the digests computed while writing and a decode of every
+tensor), or — with ``load_test: none`` — sizes only (paranoid: a re-hash). Owns the load-test
+worker's lifetime: it is started with the validator, so it is ready by the first save.
 
 Threading: used from one thread at a time (the pilot's writer thread, or the CLI).
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.policy import ValidationPolicy
-from ckptpilot.storage.archive import verify_organ
+from ckptpilot.storage.archive import check_sizes, verify_organ
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.loadcheck import LoadChecker, LoadCheckResult
 
@@ -29,6 +30,8 @@ class PostWriteValidator:
         self.policy = policy
         self._checker = (LoadChecker(timeout_seconds=timeout_seconds)
                          if policy.load_test == "subprocess" else None)
+        if self._checker is not None:
+            self._checker.start()
 
     def validate(self, tier: RemoteTier, name: str, manifest: Mapping[str, Any],
                  expected_layout: Mapping[str, tuple[str, list[int]]]) -> LoadCheckResult:
@@ -37,18 +40,22 @@ class PostWriteValidator:
         layout = expected_layout if self.policy.consistency else {}
         if self._checker is not None:
             local = tier.local_path(name)
+            options = {"sha256": self.policy.sha256, "reread": self.policy.paranoid}
             if local is not None:
-                return self._checker.check(local, manifest, layout, sha256=self.policy.sha256)
+                return self._checker.check(local, manifest, layout, **options)
             with tempfile.TemporaryDirectory(prefix="ckptpilot-validate-") as tmp:
                 for fname in manifest["files"]:
                     tier.download(f"{name}/{fname}", str(Path(tmp) / fname))
-                return self._checker.check(tmp, manifest, layout, sha256=self.policy.sha256)
-        if self.policy.sha256:
-            try:
+                return self._checker.check(tmp, manifest, layout, **options)
+        rehash = self.policy.sha256 and self.policy.paranoid
+        try:
+            if rehash:
                 verify_organ(tier, name, manifest)
-            except CheckpointFormatError as e:
-                return LoadCheckResult(False, str(e), time.perf_counter() - t0)
-        return LoadCheckResult(True, "ok (hashes only)" if self.policy.sha256 else "not checked",
+            else:
+                check_sizes(tier, name, manifest)
+        except CheckpointFormatError as e:
+            return LoadCheckResult(False, str(e), time.perf_counter() - t0)
+        return LoadCheckResult(True, "ok (hashes only)" if rehash else "ok (sizes only)",
                                time.perf_counter() - t0)
 
     def close(self) -> None:
