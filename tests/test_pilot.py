@@ -28,7 +28,7 @@ from ckptpilot.tiers.remote import RemoteTier
 
 
 def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: bool = False,
-                organ_every: int = 10) -> Path:
+                organ_every: int = 10, paranoid: bool = False) -> Path:
     cfg = tmp_path / "policy.yaml"
     cfg.write_text(textwrap.dedent(f"""\
         scheduler: {{base_interval: {interval}, min_interval: 1, max_interval: 100000,
@@ -38,6 +38,7 @@ def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: boo
         async: {{max_pending: {max_pending}}}
         observability: {{tensorboard: {str(tb).lower()}, decision_log: {str(tb).lower()}}}
         retention: {{auto: false}}
+        validation: {{paranoid: {str(paranoid).lower()}}}
         """))  # these tests count and walk back over every save; see test_autoprune.py
     return cfg
 
@@ -334,7 +335,7 @@ def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
         return staged
 
     monkeypatch.setattr(writer_module, "stage_organ", stage_then_rot)
-    job = Job(tmp_path, interval=2)
+    job = Job(tmp_path, interval=2, paranoid=True)  # re-reads what it wrote
     for _ in range(5):
         job.step()
     job.pilot.close(save=False)
@@ -350,3 +351,39 @@ def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
     again = Job(tmp_path, interval=2)
     assert again.pilot.restore() == 2
     again.pilot.close()
+
+
+def test_rot_after_the_write_is_caught_by_the_restore_without_the_paranoid_mode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default validation trusts the digests computed from the buffers written (no
+    re-read): a bit flipped on disk after the write is found when the checkpoint is read,
+    which walks back to the previous one and marks the rotten one corrupted."""
+    import ckptpilot.writer as writer_module
+    from ckptpilot.storage.metadata import MetadataStore
+
+    original = writer_module.stage_organ
+
+    def stage_then_rot(tier, snapshot, **kw):  # type: ignore[no-untyped-def]
+        staged = original(tier, snapshot, **kw)
+        if snapshot.step == 4:
+            path = archive_tensors(Path(tier.path(staged.staging)))
+            data = bytearray(path.read_bytes())
+            data[-2] ^= 0x20
+            path.write_bytes(bytes(data))
+        return staged
+
+    monkeypatch.setattr(writer_module, "stage_organ", stage_then_rot)
+    job = Job(tmp_path, interval=2)
+    for _ in range(5):
+        job.step()
+    job.pilot.close(save=False)
+    assert [(r.step, r.status) for r in job.pilot.saves] == [(2, "valid"), (4, "valid")]
+    again = Job(tmp_path, interval=2)
+    assert again.pilot.restore() == 2
+    skipped = again.pilot.last_recovery.skipped
+    assert any("step_00000004" in s.location and "SHA256 mismatch" in s.reason
+               for s in skipped), skipped
+    again.pilot.close(save=False)
+    with MetadataStore(job.run_dir / "metadata.sqlite") as store:
+        row = store.get((job.pilot.run_id, 4, 0, "remote"))
+        assert row is not None and row.status.value == "corrupted"
