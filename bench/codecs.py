@@ -48,18 +48,37 @@ max(9, ``--repeats``) saves each, interleaved in rotating order. Like the pilot,
 writes the plain safetensors layout when the codecs would save less transfer time than the
 container's extra hash pass costs. A container is read back once and checked bit for bit.
 
+Versus zipnn and blosc2 (issue 15; ``--versus`` runs this section alone, the default run ends
+with it): one process, everything single-threaded (``torch.set_num_threads(1)``, our codecs
+with ``threads=1``, zipnn ``threads=1``, blosc2 ``nthreads=1``), on the flattened weights and
+AdamW ``exp_avg`` / ``exp_avg_sq`` of an MLP of 4 x ``Linear(1024, 1024)`` (16.8 MB per class in
+fp32) trained ``--versus-steps`` steps on a synthetic regression, and their bf16 copies (8.4 MB).
+Per class and method: ratio, ratio and decode speed over zipnn's, encode and decode MB/s from
+the median process CPU time of ``--versus-repeats`` rounds (the methods interleaved in each
+round, so load on a shared box falls on all of them alike; CPU time, because wall time on a
+busy box measures the other processes too), and the best wall-clock time of the same rounds
+(how the per-core figures of the regimes above were taken). Every decode is checked bit for
+bit. Our encode is ``encode_parts`` (what the container streams); zipnn's ``compress``
+overwrites its input, so it is given a fresh copy, made outside the timed call. A library that
+is not installed (``pip install zipnn blosc2``; benchmark-only, not dependencies) has no rows
+and the table says so.
+
 Usage: ``.venv/bin/python bench/codecs.py [--quick] [--dim 256 --layers 4] [--dir DIR]``
-(``--quick``: the demo-size model, 128 x 2, and fewer warm-up steps).
+(``--quick``: the demo-size model, 128 x 2, and fewer warm-up steps);
+``.venv/bin/python bench/codecs.py --versus`` for the comparison alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.metadata
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -78,8 +97,10 @@ except ImportError:
     from backports import zstd as stdzstd
 
 from ckptpilot.codecs import (
+    Codec,
     blob_info,
     byteplane,
+    codec_names,
     decode_blob,
     get_codec,
     read_container,
@@ -440,6 +461,211 @@ def end_to_end_cases(snaps: Snapshots, s: int, workdir: Path, repeats: int
     return out
 
 
+# -- versus zipnn and blosc2 (issue 15) -----------------------------------------------------
+
+VERSUS_WIDTH, VERSUS_LAYERS = 1024, 4
+OURS = ("byteplane", "expplane", "prefix_index", "zstd")  # ours that apply to float tensors
+PLAIN_ZSTD_LEVELS = (1, 3)
+
+
+def versus_state(steps: int) -> dict[str, torch.Tensor]:
+    """Weights, ``exp_avg`` and ``exp_avg_sq`` (each flattened into one tensor) of a seeded MLP
+    after ``steps`` AdamW steps on a synthetic regression (targets from a random teacher)."""
+    torch.manual_seed(0)
+
+    def mlp() -> torch.nn.Sequential:
+        layers: list[torch.nn.Module] = []
+        for i in range(VERSUS_LAYERS):
+            layers.append(torch.nn.Linear(VERSUS_WIDTH, VERSUS_WIDTH))
+            if i < VERSUS_LAYERS - 1:
+                layers.append(torch.nn.GELU())
+        return torch.nn.Sequential(*layers)
+
+    model, teacher = mlp(), mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(steps):
+        x = torch.randn(64, VERSUS_WIDTH)
+        with torch.no_grad():
+            y = teacher(x)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    params = list(model.parameters())
+    state = {"weights": torch.cat([p.detach().reshape(-1) for p in params])}
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = torch.cat([opt.state[p][key].reshape(-1) for p in params])
+    return state
+
+
+@dataclass
+class Method:
+    """One way to compress a tensor: ``encode(t) -> blob``, ``decode(blob) -> raw bytes``."""
+
+    name: str
+    encode: Callable[[torch.Tensor], object]
+    decode: Callable[[object], np.ndarray]
+    size: Callable[[object], int]
+    prepare: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # untimed, before encode
+    stored: Callable[[object], object] = lambda blob: blob  # untimed: what decode is given
+
+
+def _optional(module: str) -> tuple[object | None, str]:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        return None, f"{module} not installed ({exc.__class__.__name__}); no {module} rows"
+    return mod, f"{module} {importlib.metadata.version(module)}"
+
+
+def _ours(name: str) -> Method:
+    codec: Codec = get_codec(name, threads=1)
+    return Method(
+        name, codec.encode_parts,
+        lambda blob: as_bytes(codec.decode(blob)),  # type: ignore[arg-type]
+        lambda blob: len(memoryview(blob)),  # type: ignore[arg-type]
+        stored=b"".join,  # type: ignore[arg-type]
+    )
+
+
+def versus_methods(itemsize: int) -> tuple[list[Method], list[str]]:
+    """Our float codecs that are registered, then every baseline whose library is installed."""
+    methods = [_ours(name) for name in OURS if name in codec_names()]
+    notes = []
+    zipnn, note = _optional("zipnn")
+    notes.append(note)
+    if zipnn is not None:
+        def zipnn_encode(t: torch.Tensor) -> bytes:
+            return zipnn.ZipNN(input_format="torch", threads=1).compress(t)  # type: ignore[attr-defined]
+
+        def zipnn_decode(blob: object) -> np.ndarray:
+            return as_bytes(zipnn.ZipNN(input_format="torch", threads=1).decompress(blob))  # type: ignore[attr-defined]
+
+        methods.append(Method("zipnn", zipnn_encode, zipnn_decode, len,  # type: ignore[arg-type]
+                              prepare=lambda t: t.clone()))  # compress overwrites its input
+    blosc2, note = _optional("blosc2")
+    notes.append(note)
+    if blosc2 is not None:
+        b2 = blosc2
+        for codec, clevel in ((b2.Codec.LZ4, 5), (b2.Codec.ZSTD, 1)):  # type: ignore[attr-defined]
+            cparams = b2.CParams(codec=codec, clevel=clevel, typesize=itemsize, nthreads=1,  # type: ignore[attr-defined]
+                                 filters=[b2.Filter.BITSHUFFLE], filters_meta=[0])  # type: ignore[attr-defined]
+            dparams = b2.DParams(nthreads=1)  # type: ignore[attr-defined]
+            methods.append(Method(
+                f"blosc2 bitshuffle+{codec.name.lower()}-{clevel}",
+                lambda t, c=cparams: b2.compress2(as_bytes(t), cparams=c),  # type: ignore[attr-defined]
+                lambda blob, d=dparams: np.frombuffer(b2.decompress2(blob, dparams=d), np.uint8),  # type: ignore[attr-defined]
+                len))  # type: ignore[arg-type]
+    for level in PLAIN_ZSTD_LEVELS:
+        methods.append(Method(
+            f"plain zstd -{level}",
+            lambda t, lv=level: zstandard.ZstdCompressor(level=lv).compress(as_bytes(t)),
+            lambda blob: np.frombuffer(zstandard.ZstdDecompressor().decompress(blob), np.uint8),  # type: ignore[arg-type]
+            len))  # type: ignore[arg-type]
+    return methods, notes
+
+
+@dataclass
+class VersusRow:
+    name: str
+    ratio: float
+    encode_cpu: list[float] = field(default_factory=list)
+    decode_cpu: list[float] = field(default_factory=list)
+    encode_wall: list[float] = field(default_factory=list)
+    decode_wall: list[float] = field(default_factory=list)
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float, object]:
+    """(CPU seconds of this process, wall seconds, result) of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = fn()
+    return time.process_time() - cpu, time.perf_counter() - wall, result
+
+
+def versus_class(tensor: torch.Tensor, methods: list[Method], repeats: int) -> list[VersusRow]:
+    """Ratios and timings of every method on one tensor; rounds interleave the methods."""
+    expected = as_bytes(tensor)
+    blobs, rows = {}, []
+    for m in methods:
+        blob = m.stored(m.encode(m.prepare(tensor)))
+        if not np.array_equal(m.decode(blob), expected):
+            raise AssertionError(f"{m.name}: decode is not bit-exact")
+        blobs[m.name] = blob
+        rows.append(VersusRow(m.name, expected.size / m.size(blob)))
+    for _ in range(repeats):
+        for m, row in zip(methods, rows, strict=True):
+            data = m.prepare(tensor)
+            cpu, wall, _ = _timed(lambda m=m, d=data: m.encode(d))
+            row.encode_cpu.append(cpu)
+            row.encode_wall.append(wall)
+            cpu, wall, _ = _timed(lambda m=m: m.decode(blobs[m.name]))
+            row.decode_cpu.append(cpu)
+            row.decode_wall.append(wall)
+    return rows
+
+
+VERSUS_HEADER = ("| class | method | ratio | ratio vs zipnn | encode MB/s | decode MB/s "
+                 "| decode vs zipnn | encode / decode MB/s, best wall |\n"
+                 "|---|---|---:|---:|---:|---:|---:|---:|")
+
+
+def versus_rows(cls: str, nbytes: int, rows: list[VersusRow]) -> str:
+    """Table rows of one class; ratio and decode speed relative to zipnn's in the same run."""
+    ref = next((r for r in rows if r.name == "zipnn"), None)
+
+    def mbs(seconds: float) -> str:
+        return f"{nbytes / seconds / 1e6:,.0f}"
+
+    lines = []
+    for r in rows:
+        enc, dec = statistics.median(r.encode_cpu), statistics.median(r.decode_cpu)
+        vs_ratio = vs_dec = "–"
+        if ref is not None:
+            vs_ratio = f"{r.ratio / ref.ratio:.3f}x"
+            vs_dec = f"{statistics.median(ref.decode_cpu) / dec:.2f}x"
+        lines.append(f"| {cls} | {r.name} | {r.ratio:.4f} | {vs_ratio} | {mbs(enc)} | {mbs(dec)} "
+                     f"| {vs_dec} | {mbs(min(r.encode_wall))} / {mbs(min(r.decode_wall))} |")
+    return "\n".join(lines)
+
+
+def git_head() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "ckptpilot/codecs"],
+                           cwd=REPO, capture_output=True, text=True)
+    changed = ", ".join(line[3:] for line in dirty.stdout.splitlines()) or "none"
+    return f"git HEAD {done.stdout.strip() or '?'}; uncommitted in ckptpilot/codecs: {changed}"
+
+
+def versus(steps: int, repeats: int) -> None:
+    """The comparison with zipnn and blosc2, single-threaded, printed as one table."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        print(f"\n## versus zipnn and blosc2 (issue 15)\n\n{git_head()}; load average at start "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        state = versus_state(steps)
+        _, notes = versus_methods(4)
+        print(f"libraries: {'; '.join(notes)}; zstandard {zstandard.__version__}; numpy "
+              f"{np.__version__}")
+        print(f"MLP {VERSUS_LAYERS} x Linear({VERSUS_WIDTH}, {VERSUS_WIDTH}), "
+              f"{state['weights'].numel():,} params, {steps} AdamW steps; single-threaded: torch "
+              "threads 1, our codecs threads=1, zipnn threads=1, blosc2 nthreads=1; MB/s = 1e6 "
+              f"raw bytes per second of process CPU time, median of {repeats} interleaved rounds; "
+              "best wall = the fastest wall-clock round\n")
+        print(VERSUS_HEADER)
+        for dtype in (torch.float32, torch.bfloat16):
+            methods, _ = versus_methods(dtype.itemsize)
+            for cls, tensor in state.items():
+                t = tensor.to(dtype).contiguous()
+                nbytes = t.numel() * t.element_size()
+                label = f"{cls} {str(dtype).removeprefix('torch.')} ({nbytes / 1e6:.1f} MB)"
+                print(versus_rows(label, nbytes, versus_class(t, methods, repeats)))
+        print(f"\nload average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- output ---------------------------------------------------------------------------------
 
 def best_baseline(rows: list[Row], cls: str, k: int,
@@ -491,7 +717,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--versus", action="store_true",
+                   help="only the single-threaded comparison with zipnn and blosc2")
+    p.add_argument("--versus-steps", type=int, default=50)
+    p.add_argument("--versus-repeats", type=int, default=9)
     a = p.parse_args()
+    if a.versus:
+        print(f"command: {shlex.join([sys.executable.replace(str(REPO) + '/', ''), *sys.argv])}")
+        print(f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
+        print(f"torch {torch.__version__}, python {platform.python_version()}, "
+              f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+        versus(a.versus_steps, a.versus_repeats)
+        return
     dim = a.dim or (128 if a.quick else 256)
     layers = a.layers or (2 if a.quick else 4)
     warmup = a.warmup or (40 if a.quick else 60)
@@ -613,6 +850,7 @@ def main() -> None:
     print(f"- auto never slower than raw end to end: worst auto/raw {worst_ratio:.2f}x "
           f"({worst[0]}) — {'met' if worst_ratio <= 1.0 else 'NOT met'}; "
           f"best {min(e.auto_s / e.raw_s for _, e in e2es):.2f}x")
+    versus(a.versus_steps, a.versus_repeats)
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
 
 
