@@ -27,13 +27,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from ckptpilot.autoprune import AutoPruner, DiskBudgetError
+from ckptpilot.background import background_pool
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
@@ -138,7 +139,7 @@ class CheckpointWriter:
         self._pulse_codecs = pulse_codecs
         self._telemetry = telemetry
         self._slots = threading.BoundedSemaphore(max_pending)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptpilot-writer")
+        self._executor = background_pool(1, "ckptpilot-writer")
         self._jobs: deque[_Job] = deque()
         self._peer_step: int | None = None  # the newest checkpoint the peers took from us
         self.saves: list[SaveRecord] = []

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ckptpilot.background import background_pool
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 
 __all__ = [
@@ -46,12 +47,11 @@ _POOL_LOCK = threading.Lock()
 
 
 def hash_pool() -> ThreadPoolExecutor:
-    """The process's hashing threads (at most 4, fewer on smaller machines: the cores are
-    training's first). Shared by writers and readers; created on first use."""
+    """The process's hashing threads (at most 4, fewer on smaller machines; at background
+    priority: the cores are training's first). Shared by writers and readers."""
     with _POOL_LOCK:
         if not _POOL:
-            _POOL.append(ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                            thread_name_prefix="ckptpilot-hash"))
+            _POOL.append(background_pool(max(1, min(4, os.cpu_count() or 1)), "ckptpilot-hash"))
         return _POOL[0]
 
 

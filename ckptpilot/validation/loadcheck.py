@@ -323,11 +323,13 @@ def worker_main() -> None:
     import safetensors.torch  # noqa: F401 - load every library before the first memory limit
     import torch
 
+    from ckptpilot.background import BACKGROUND_NICE
     from ckptpilot.codecs import container  # noqa: F401
     from ckptpilot.format import digest  # noqa: F401
     from ckptpilot.storage import archive  # noqa: F401
 
     torch.set_num_threads(1)
+    os.nice(max(0, BACKGROUND_NICE - os.nice(0)))  # the cores are training's first
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     sys.stdout.buffer.write(_READY)
     sys.stdout.flush()
