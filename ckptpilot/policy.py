@@ -543,10 +543,22 @@ class HeartbeatPolicy(_Section):
     every: int = Field(1, ge=1, le=_MAX_STEPS)
 
 
+class PulsePolicy(_Section):
+    """Level-1 pulse. ``fsync``: whether a pulse written to the remote tier (no peer tier,
+    or the peers could not take it) is fsynced like an organ. Off by default: a pulse stands
+    in for the memory and peer tiers, which survive the process, not the node; without the
+    fsync it costs the write into the page cache only, survives any crash of the training
+    process, and after a power loss the restore finds it incomplete by its digests and walks
+    back to the newest organ."""
+
+    fsync: bool = False
+
+
 class LevelsPolicy(_Section):
-    """Checkpoint levels; only the heartbeat has settings of its own."""
+    """Checkpoint levels with settings of their own."""
 
     heartbeat: HeartbeatPolicy = Field(default_factory=HeartbeatPolicy)
+    pulse: PulsePolicy = Field(default_factory=PulsePolicy)
 
 
 class CodecsPolicy(_Section):

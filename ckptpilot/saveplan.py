@@ -8,7 +8,8 @@ the placement rules are readable, and testable, in one place.
 Rules: with the peer tier on, a pulse goes to the peers only (a pulse the peers cannot take
 goes to the remote tier instead: nothing is dropped) and an organ to the peers and the remote
 tier; without it, everything goes to the remote tier. A pulse on the remote tier goes through
-the codecs (when they pay at the tier's bandwidth), an organ is written plain. A save that
+the codecs (when they pay at the tier's bandwidth) and is fsynced only with
+``levels.pulse.fsync``; an organ is written plain and always fsynced. A save that
 verifies stays in the memory tier, when it is on, as the next restore's fastest source and the
 base of the next peer deltas.
 
@@ -29,13 +30,15 @@ __all__ = ["SavePlan", "plan_save"]
 @dataclass(frozen=True)
 class SavePlan:
     """``tiers`` in write order; ``fallback`` takes the save when none of them could;
-    ``codecs``: encode through the codec selector on the remote tier."""
+    ``codecs``: encode through the codec selector on the remote tier; ``fsync``: make the
+    remote tier's files durable before publication."""
 
     intent: SaveIntent
     tiers: tuple[Tier, ...]
     fallback: Tier | None
     codecs: bool
     keep_in_memory: bool
+    fsync: bool = True
 
 
 def plan_save(intent: SaveIntent, policy: Policy) -> SavePlan:
@@ -47,4 +50,5 @@ def plan_save(intent: SaveIntent, policy: Policy) -> SavePlan:
         tiers = (Tier.PEER,) if pulse else (Tier.PEER, Tier.REMOTE)
         fallback = Tier.REMOTE if pulse else None
     return SavePlan(intent=intent, tiers=tiers, fallback=fallback, codecs=pulse,
-                    keep_in_memory=policy.tiers.memory.enabled)
+                    keep_in_memory=policy.tiers.memory.enabled,
+                    fsync=not pulse or policy.levels.pulse.fsync)

@@ -356,7 +356,7 @@ class CheckpointWriter:
                 codec_for = self._pulse_codecs.codec_for
         staged = stage_organ(remote, snapshot, level=intent.level, reason=intent.reason,
                              retention_class=intent.retention_class, score=intent.score,
-                             codec_for=codec_for)
+                             codec_for=codec_for, fsync=plan.fsync)
         write_seconds = time.perf_counter() - t0
         if codec_for is not None:
             _trim_heap()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import assert_states_bit_equal
 
@@ -19,13 +21,14 @@ from ckptpilot.tiers.remote import RemoteTier
 
 
 def policy_file(tmp_path: Path, *, memory: bool = True, memory_max: str = "1GiB",
-                weights: str = "xor_delta", bandwidth: str = "1MB") -> Path:
+                weights: str = "xor_delta", bandwidth: str = "1MB", organ_every: int = 1000,
+                pulse_fsync: bool = False) -> Path:
     """Every step saved, every save a pulse. A slow remote (1 MB/s) makes ``auto`` weigh
     codecs even for these small tensors (at 2 GB/s it sends anything under 2 MB raw)."""
     cfg = tmp_path / "policy.yaml"
     cfg.write_text(textwrap.dedent(f"""\
         scheduler: {{base_interval: 1, min_interval: 1, max_interval: 100000,
-                    young_daly: false, organ_every: 1000,
+                    young_daly: false, organ_every: {organ_every},
                     weights: {{loss: 1.0, grad: 0.0, system: 0.0}},
                     loss: {{slope_threshold: 1000.0}}}}
         codecs: {{weights: {weights}}}
@@ -33,6 +36,7 @@ def policy_file(tmp_path: Path, *, memory: bool = True, memory_max: str = "1GiB"
                 remote: {{bandwidth: {bandwidth}}}}}
         observability: {{tensorboard: false, decision_log: false}}
         retention: {{auto: false}}
+        levels: {{pulse: {{fsync: {str(pulse_fsync).lower()}}}}}
         """))  # every save stays on disk to be inspected; see test_autoprune.py
     return cfg
 
@@ -203,3 +207,34 @@ def test_memory_tier_pins_the_base_and_drops_a_stale_entry() -> None:
     pool.give_back(first)
     pool.give_back(first)
     assert pool.take() is first and pool.take() is None  # given back twice, held once
+
+
+@pytest.mark.parametrize("pulse_fsync", [False, True])
+def test_pulses_on_the_remote_tier_skip_the_fsync_unless_asked_organs_never(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pulse_fsync: bool) -> None:
+    """A pulse stands in for the memory and peer tiers: by default its files reach the page
+    cache (safe from a crash of the process) without an fsync; an organ is always fsynced.
+    Observed by recording which files ``os.fsync`` was called on."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    run_dir = tmp_path / "run"
+    job = Job(policy_file(tmp_path, organ_every=3, pulse_fsync=pulse_fsync), run_dir)
+    for _ in range(3):
+        job.step()
+    job.pilot.close(save=False)
+    levels = {r.step: r.level.value for r in job.pilot.saves}
+    assert levels == {1: "pulse", 2: "pulse", 3: "organ"}
+    for step, level in levels.items():
+        name = archive.checkpoint_name(step, 0)
+        tensors = archive.TENSORS_FILE if level == "organ" else archive.CONTAINER_FILE
+        fsynced = any(f"/{name}." in path and path.endswith(f"/{tensors}") for path in synced)
+        assert fsynced == (level == "organ" or pulse_fsync), (step, level, synced)
+    restored = Job(policy_file(tmp_path, organ_every=3), run_dir)
+    assert restored.pilot.restore() == 3
+    restored.pilot.close(save=False)

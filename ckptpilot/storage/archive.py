@@ -240,7 +240,7 @@ def write_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
 def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
                 reason: str = "", retention_class: str = "routine",
                 score: float | None = None, codec_for: CodecFor | None = None,
-                created_unix: float | None = None) -> StagedArchive:
+                created_unix: float | None = None, fsync: bool = True) -> StagedArchive:
     """Write ``snapshot`` into a fresh staging directory, manifest last (on an object store
     the manifest is left for the publication); publish separately, after validation, with
     :func:`publish_organ`.
@@ -248,7 +248,8 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     With ``codec_for`` the tensors go into a codec container (``tensors.ckpt``), each encoded
     by the codec it names (encoding overlaps writing); without, into ``tensors.safetensors``.
     ``created_unix`` stamps the manifest (default: the clock); a given one makes the archive's
-    bytes a function of its inputs, which is how the golden files pin them.
+    bytes a function of its inputs, which is how the golden files pin them. ``fsync=False``
+    leaves the files in the page cache (a pulse: ``levels.pulse.fsync``).
     """
     meta = snapshot.meta
     name = checkpoint_name(snapshot.step, meta["rank"])
@@ -257,13 +258,14 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
     index = None
     if codec_for is None:
         files[TENSORS_FILE] = tier.write_record(f"{staging}/{TENSORS_FILE}",
-                                                _safetensors_chunks(snapshot.tensors))
+                                                _safetensors_chunks(snapshot.tensors),
+                                                fsync=fsync)
     else:
-        with tier.open_write(f"{staging}/{CONTAINER_FILE}", chunked=True) as out:
+        with tier.open_write(f"{staging}/{CONTAINER_FILE}", chunked=True, fsync=fsync) as out:
             index = write_container(out, snapshot.tensors, {"step": snapshot.step}, codec_for)
         files[CONTAINER_FILE] = {**out.record, "tensors_digest": _tensors_digest(index)}
     state_raw = json.dumps(meta, separators=(",", ":")).encode()
-    files[STATE_FILE] = tier.write_record(f"{staging}/{STATE_FILE}", [state_raw])
+    files[STATE_FILE] = tier.write_record(f"{staging}/{STATE_FILE}", [state_raw], fsync=fsync)
     manifest = build_manifest(
         name=name, step=snapshot.step, rank=meta["rank"], world_size=meta["world_size"],
         epoch=meta.get("epoch"), level=level, reason=reason, retention_class=retention_class,

@@ -111,28 +111,30 @@ class RemoteTier:
                 out.write(chunk)
         return out.size, out.sha256
 
-    def write_record(self, relpath: str, chunks: Iterable[bytes | memoryview]
-                     ) -> dict[str, Any]:
+    def write_record(self, relpath: str, chunks: Iterable[bytes | memoryview], *,
+                     fsync: bool = True) -> dict[str, Any]:
         """``write_file`` with chunk digests (``format.digest``): returns the file record,
         hashed on several threads while the bytes are written."""
-        with self.open_write(relpath, chunked=True) as out:
+        with self.open_write(relpath, chunked=True, fsync=fsync) as out:
             for chunk in chunks:
                 out.write(chunk)
         return out.record
 
     @contextmanager
-    def open_write(self, relpath: str, *, digest: bool = True,
-                   chunked: bool = False) -> Iterator[HashingWriter]:
+    def open_write(self, relpath: str, *, digest: bool = True, chunked: bool = False,
+                   fsync: bool = True) -> Iterator[HashingWriter]:
         """A file object for a producer that writes by itself (the codec container); hashed
-        like ``write_file`` (``chunked``: like ``write_record``) and made durable when the
-        block ends without an error."""
+        like ``write_file`` (``chunked``: like ``write_record``) and, with ``fsync``, made
+        durable when the block ends without an error (else it is in the page cache: safe from
+        a crash of this process, not of the machine)."""
         target = self.path(relpath)
         if self.is_local:
             with open(target, "wb") as f:
                 out = HashingWriter(f, digest=digest, chunked=chunked)
                 yield out
                 f.flush()
-                os.fsync(f.fileno())
+                if fsync:
+                    os.fsync(f.fileno())
         else:
             with self.fs.open(target, "wb") as f:
                 out = HashingWriter(f, digest=digest, chunked=chunked)
