@@ -12,8 +12,9 @@ Lifecycle (DCP calls it in this order; one Writer per rank, one step per Writer)
    store ``dcp_step_N`` itself) and each rank's plan names it and the rank's one data file.
 4. (every rank) ``write_data`` — the rank's items, streamed into its file while they are
    hashed (SHA256 per item, of the very bytes written); the rank's row recorded ``pending``
-   with the SHA256 of its part; the file re-read and checked (``validation.sha256``), a
-   mismatch marks the row ``corrupted`` and fails the save on every rank.
+   with the SHA256 of its part; in the paranoid mode (``validation.paranoid`` and ``sha256``)
+   the file re-read and checked, a mismatch marking the row ``corrupted`` and failing the save
+   on every rank.
 5. (coordinator, after every rank wrote) ``finish`` — DCP's ``.metadata`` (codecs off), then
    the commit file ``manifest.json`` last, then the publication (locally the staging
    directory's rename, on an object store the commit file's PUT), then every rank's row
@@ -239,7 +240,7 @@ class Writer(StorageWriter):
                 codec=",".join(f"{c}:{n}" for c, n in sorted(codecs.items())) or "raw",
                 bytes_encoded=sum(r.nbytes for r in items.values()),
                 seconds_write=write_seconds)
-            if items and self.policy.validation.sha256:
+            if items and self.policy.validation.sha256 and self.policy.validation.paranoid:
                 self._check_written(store, key, rel, items)
         results = [WriteResult(index=index, size_in_bytes=rec.nbytes, storage_data=rec)
                    for index, rec in items.items()]
@@ -330,7 +331,7 @@ class Writer(StorageWriter):
     def _check_written(self, store: MetadataStore, key: CheckpointKey, rel: str,
                        items: Mapping[MetadataIndex, ItemRecord]) -> None:
         """Read the rank's file back from storage and check every item's SHA256 before the
-        part may count (``validation.sha256``); a mismatch marks the row corrupted."""
+        part may count (``validation.paranoid``); a mismatch marks the row corrupted."""
         t0 = time.perf_counter()
         location = self.remote.path(rel.rsplit("/", 1)[0])
         try:
