@@ -1,4 +1,5 @@
-"""Striping and XOR parity (SPEC §6): split/join, and any one lost shard is rebuilt exactly."""
+"""Striping and XOR parity (SPEC §6): split, shards received in place, and any one lost shard
+is rebuilt exactly, in place, with the digest the put computed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from ckptpilot.tiers.peer.parity import join, parity, rebuild, shard_size, split, xor_of
+from ckptpilot.tiers.peer.digest import digest_of
+from ckptpilot.tiers.peer.parity import (
+    ShardPlace,
+    parity,
+    parity_and_digests,
+    rebuild,
+    shard_size,
+    split,
+    xor_of,
+)
 
 
 @pytest.mark.parametrize(("image_len", "n", "expected"), [
@@ -24,21 +34,55 @@ def test_shard_size_rejects_bad_counts() -> None:
         shard_size(10, 0)
 
 
+def receive(shards: list[np.ndarray], image_len: int, skip: int | None = None
+            ) -> tuple[np.ndarray, list[ShardPlace]]:
+    """What a fetch does: every shard but ``skip`` written through its place's views into
+    one image of ``image_len`` bytes (the padding past its end into the places' own arrays)."""
+    image = np.empty(image_len, dtype=np.uint8)
+    places = [ShardPlace.in_image(image, i, shards[0].size) for i in range(len(shards))]
+    for i, (place, shard) in enumerate(zip(places, shards, strict=True)):
+        if i == skip:
+            continue
+        at = 0
+        for view in place.views():
+            view[:] = shard[at:at + view.nbytes].tobytes()
+            at += view.nbytes
+    return image, places
+
+
 @settings(max_examples=150, deadline=None)
 @given(data=st.binary(max_size=3000), n=st.integers(1, 7), lost=st.integers(0, 7))
-def test_split_parity_rebuild_join(data: bytes, n: int, lost: int) -> None:
+def test_split_parity_rebuild_in_place(data: bytes, n: int, lost: int) -> None:
     shards = split(data, n)
     size = shard_size(len(data), n)
     assert len(shards) == n and all(s.size == size for s in shards)
-    assert bytes(join(shards, len(data))) == data
-    par = parity(shards)
+    par = np.empty(size, dtype=np.uint8)
+    digests = parity_and_digests(shards, par)
+    assert digests == [digest_of(s) for s in [*shards, par]]
+    assert np.array_equal(par, parity(shards))
+    image, _ = receive(shards, len(data))
+    assert image.tobytes() == data
     lost %= n
     damaged: list[np.ndarray | None] = list(shards)
     damaged[lost] = None
-    again = rebuild(damaged, par)
-    assert np.array_equal(again, shards[lost])
-    damaged[lost] = again
-    assert bytes(join([s for s in damaged if s is not None], len(data))) == data
+    assert np.array_equal(rebuild(damaged, par), shards[lost])
+    image, places = receive(shards, len(data), skip=lost)
+    scratch = ShardPlace.scratch(size)
+    scratch.views()[0][:] = par.tobytes()
+    got = places[lost].rebuild(scratch, [p for i, p in enumerate(places) if i != lost])
+    assert got == digests[lost] and image.tobytes() == data
+
+
+def test_a_rebuild_across_many_chunks_matches_the_lost_shard() -> None:
+    data = np.random.default_rng(3).bytes(3 * (1 << 20) * 2 + 999)  # 2+ MiB shards, odd tail
+    shards = split(data, 3)
+    par = np.empty(shards[0].size, dtype=np.uint8)
+    digests = parity_and_digests(shards, par)
+    image, places = receive(shards, len(data), skip=2)  # the last: in the image and padding
+    scratch = ShardPlace.scratch(par.size)
+    scratch.views()[0][:] = par.tobytes()
+    assert places[2].rebuild(scratch, places[:2]) == digests[2]
+    assert image.tobytes() == data
 
 
 def test_parity_itself_is_rebuilt_by_xor_of_the_data() -> None:

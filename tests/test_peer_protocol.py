@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import threading
@@ -11,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from ckptpilot.errors import CkptPilotError
+from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import PeerRequestError, ProtocolError
 from ckptpilot.tiers.peer.protocol import (
     MAGIC,
@@ -23,6 +23,7 @@ from ckptpilot.tiers.peer.protocol import (
     parse_endpoint,
     read_frame,
     read_head,
+    read_payload,
     send_error,
     send_frame,
     validate_header,
@@ -43,15 +44,16 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 def shard_header(op: Op = Op.PUT, *, meta: bytes = b"{}", size: int = 16) -> dict[str, object]:
     body = bytes(range(size))
-    digest = hashlib.sha256(body).hexdigest()
+    digest = digest_of(body)
     header: dict[str, object] = {
         "run_id": "run", "ckpt_id": 7, "shard_index": 0, "shard_count": 2, "data_shards": 1,
-        "kind": "data", "sha256": digest, "stripe": [digest, "0" * 64], "image_len": size,
-        "shard_size": size, "meta_len": len(meta), "meta_sha256": hashlib.sha256(meta).hexdigest(),
+        "kind": "data", "digest": digest, "stripe": [digest, "0" * 32], "image_len": size,
+        "shard_size": size, "meta_len": len(meta), "meta_digest": digest_of(meta),
         "lease_seconds": 5.0,
     }
     if op is Op.DELTA:
         header["base_id"] = 6
+        header["delta_digest"] = digest_of(b"delta")
     return header
 
 
@@ -71,6 +73,32 @@ def test_put_frame_round_trip_splits_meta_and_shard(pair: tuple[socket.socket, s
     assert frame is not None
     assert frame.op is Op.PUT and frame.header == header
     assert frame.meta == meta and bytes(frame.payload) == body
+    assert frame.payload_digest == digest_of(body)  # digested as it arrived
+
+
+def test_a_body_is_received_into_the_readers_buffers(pair: tuple[socket.socket, socket.socket]
+                                                     ) -> None:
+    a, b = pair
+    meta, body = b'{"step": 7}', bytes(range(16))
+    send_frame(a, Op.PUT, shard_header(meta=meta), [meta, body])
+    head = read_head(b, max_payload=LIMIT)
+    assert head is not None
+    first, second = bytearray(10), bytearray(6)
+    frame = read_payload(b, head, [memoryview(first), memoryview(second)])
+    assert bytes(first + second) == body and frame.payload.size == 0
+    assert frame.meta == meta and frame.payload_digest == digest_of(body)
+
+
+def test_buffers_of_another_size_than_the_body_are_refused(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    meta, body = b"{}", bytes(range(16))
+    send_frame(a, Op.PUT, shard_header(meta=meta), [meta, body])
+    head = read_head(b, max_payload=LIMIT)
+    assert head is not None
+    with pytest.raises(ProtocolError, match="PUT carries 16 bytes after its meta, the reader "
+                                            "expected 15"):
+        read_payload(b, head, [memoryview(bytearray(15))])
 
 
 @pytest.mark.parametrize(("op", "header"), [
@@ -90,7 +118,7 @@ def test_small_frames_round_trip(pair: tuple[socket.socket, socket.socket], op: 
     send_frame(a, op, header)
     frame = read_frame(b, max_payload=LIMIT)
     assert frame is not None and frame.op is op and frame.header == header
-    assert frame.meta == b"" and frame.payload == bytearray()
+    assert frame.meta == b"" and frame.payload.size == 0 and frame.payload_digest is None
 
 
 def test_several_frames_on_one_connection_then_clean_close(
@@ -101,7 +129,7 @@ def test_several_frames_on_one_connection_then_clean_close(
     send_frame(a, Op.PING, {})
     a.shutdown(socket.SHUT_WR)
     first, second = read_frame(b, max_payload=LIMIT), read_frame(b, max_payload=LIMIT)
-    assert first is not None and first.op is Op.DELTA and first.payload == bytearray(b"delta")
+    assert first is not None and first.op is Op.DELTA and bytes(first.payload) == b"delta"
     assert second is not None and second.op is Op.PING
     assert read_frame(b, max_payload=LIMIT) is None
 
@@ -173,11 +201,12 @@ def test_oversized_payload_is_refused_before_anything_is_allocated(
     ({"shard_index": 2}, "shard_index 2 is out of range"),
     ({"shard_count": 3}, "shard_count 3 must be data_shards"),
     ({"kind": "parity"}, "cannot be of kind 'parity'"),
-    ({"sha256": "ab" * 32}, "stripe must list the sha256"),
+    ({"digest": "ab" * 16}, "stripe must list the digest"),
     ({"shard_size": 12}, "shard_size 12 must be a multiple of 8"),
     ({"shard_size": 24}, "PUT payload is 18 bytes"),
     ({"meta_len": 3}, "PUT payload is 18 bytes"),
-    ({"sha256": "XYZ"}, "field 'sha256' is invalid"),
+    ({"digest": "XYZ"}, "field 'digest' is invalid"),
+    ({"digest": "ab" * 32}, "field 'digest' is invalid"),  # a SHA256 is not an XXH3-128
     ({"run_id": ""}, "field 'run_id' is invalid"),
 ])
 def test_inconsistent_shard_headers_are_refused(change: dict[str, object], match: str) -> None:
@@ -191,6 +220,10 @@ def test_delta_must_carry_a_delta_after_the_meta() -> None:
         validate_header(Op.DELTA, shard_header(Op.DELTA), 2)
     with pytest.raises(ProtocolError, match="missing field 'base_id'"):
         validate_header(Op.DELTA, shard_header(Op.PUT), 100)
+    header = shard_header(Op.DELTA)
+    del header["delta_digest"]
+    with pytest.raises(ProtocolError, match="missing field 'delta_digest'"):
+        validate_header(Op.DELTA, header, 100)
 
 
 def test_writer_refuses_to_send_an_invalid_header(pair: tuple[socket.socket, socket.socket]

@@ -2,16 +2,18 @@
 memory of N+1 peers, and fetch it back, surviving the loss of any one (SPEC §6).
 
 Owns: striping and placing shards, choosing between full shards and per-shard XOR deltas,
-committing, discovering what peers hold (LIST), fetching with SHA256 checks and parity
+committing, discovering what peers hold (LIST), fetching with digest checks and parity
 rebuild, and renewing the run's lease. Must not: interpret the image or the meta (the pilot's
 container format does), or fall back to other tiers (it raises :class:`PeerUnavailable`).
 
-Delta puts: ``put(c, image, meta, base=(b, base_image))`` sends each shard as the XOR delta
+Delta puts: ``put(c, image, meta, base=(b, base_image))`` may send a shard as the XOR delta
 against the same shard of ``b`` to the peer that holds it (XOR parity is linear, so the
-parity peer gets the delta of the parity). The peer folds it into its copy of ``b`` in the
-background, so every holder keeps one full state and a fetch reads exactly N shards, never
-a chain. A peer that no longer has the base (restarted empty) gets the full shard; one that
-cannot be reached is replaced by a newly chosen peer, which gets the full shard.
+parity peer gets the delta of the parity); with ``deltas: auto`` only the shards whose
+delta is estimated faster than the full shard on the measured wire (``deltas``). The peer
+folds it into its copy of ``b`` in the background, so every holder keeps one full state
+and a fetch reads exactly N shards, never a chain. A peer that no longer has the base
+(restarted empty) gets the full shard; one that cannot be reached is replaced by a newly
+chosen peer, which gets the full shard.
 
 Commit: once every shard is acknowledged, COMMIT goes to every reachable endpoint. Holders
 of the new checkpoint then drop the run's older states (after their folds succeed); other
@@ -31,6 +33,13 @@ Images: :class:`PeerCheckpointTier` is one rank's view of a :class:`PeerTier` as
 :class:`~ckptpilot.tiers.base.CheckpointTier`. Its image is the snapshot's arena, striped as
 it is, with the meta of ``format.image`` (:class:`~ckptpilot.format.image.ImageMeta`).
 
+Integrity and speed: every shard carries the XXH3-128 digests of its stripe (what they
+guarantee: ``digest``). A put digests and XORs the parity in one pass over the image, then
+sends every shard in parallel straight from the image's memory; a fetch receives every
+shard in parallel (one request per peer) straight into its place in one fresh image,
+digesting each piece as it lands, and fetches the parity alongside when a shard is known to
+be lost, so a rebuild costs one XOR pass more than an intact fetch.
+
 Threading: ``put`` and ``fetch`` may be called from one thread at a time each (the pilot's
 background writer, the restoring thread); they spread their transfers over an internal
 thread pool. A daemon thread renews the lease every ``lease_seconds / 3`` until
@@ -42,8 +51,8 @@ Every request, probes included, goes over the tier's persistent connections
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -57,20 +66,31 @@ import torch
 from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.tiers.peer.deltas import delta_pays, estimate, gather, sample_ranges
+from ckptpilot.tiers.peer.digest import digest_of, digest_of_pieces, is_digest
 from ckptpilot.tiers.peer.errors import (
     NotEnoughPeers,
     PeerRequestError,
     PeerUnavailable,
     ProtocolError,
 )
-from ckptpilot.tiers.peer.parity import as_bytes, join, rebuild, shard_size, split, xor_of
+from ckptpilot.tiers.peer.parity import (
+    ShardPlace,
+    as_bytes,
+    parity_and_digests,
+    shard_size,
+    split,
+    xor_of,
+)
 from ckptpilot.tiers.peer.placement import PeerStatus, Placement, describe_failure
 from ckptpilot.tiers.peer.protocol import (
     MAX_META_BYTES,
     Buffer,
     Connections,
     Frame,
+    Head,
     Op,
+    ReplyInto,
     parse_endpoint,
     shard_tensor,
 )
@@ -84,13 +104,12 @@ log = logging.getLogger(__name__)
 
 _REQUEST_ERRORS = (OSError, ProtocolError, PeerRequestError)
 DELTA_MODES = ("auto", "always", "never")
-_EXPLORE_EVERY = 10
-_COST_ALPHA = 0.3
+_RATE_ALPHA = 0.3  # weight of the newest transfer in a peer's measured wire rate
 # Failures that say the peer is gone (reported to the health registry); a peer that answers
 # ERR or sends a malformed frame is alive, and a name that does not resolve is our problem.
 _PEER_GONE_ERRORS = (ConnectionError, TimeoutError)
 _LAYOUTS_KEPT = 4
-_MISMATCH = "sha256 mismatch"
+_MISMATCH = "digest mismatch"
 _NOT_HELD = "not held"
 
 
@@ -109,11 +128,12 @@ class PeerPutResult:
 
 @dataclass(frozen=True)
 class PeerFetchResult:
-    """A fetched checkpoint. ``bytes_fetched`` counts shard bytes received (N data shards
-    when nothing was lost; plus the parity shard when one had to be rebuilt)."""
+    """A fetched checkpoint: ``image`` is a fresh uint8 array owned by the caller.
+    ``bytes_fetched`` counts shard bytes received (N data shards when nothing was lost; the
+    N - 1 others and the parity shard when one had to be rebuilt)."""
 
     ckpt_id: int
-    image: bytearray
+    image: np.ndarray
     meta: bytes
     bytes_fetched: int
     rebuilt_shard: int | None
@@ -151,6 +171,16 @@ class _Stripe:
         lost = self.missing()
         has_parity = self.shard_count > self.data_shards
         return self.committed and (not lost or (has_parity and len(lost) == 1))
+
+
+@dataclass(frozen=True)
+class _DeltaPlan:
+    """A shard to send as a delta against the same shard of ``base_id``: ``old`` are the
+    base's data shards; ``blob`` the delta when the estimate already encoded all of it."""
+
+    base_id: int
+    old: list[np.ndarray]
+    blob: list[Buffer] | None
 
 
 @dataclass
@@ -205,8 +235,7 @@ class PeerTier:
         if deltas not in DELTA_MODES:
             raise ValueError(f"deltas must be one of {DELTA_MODES}, got {deltas!r}")
         self.deltas = deltas
-        self._seconds_per_byte: dict[str, float] = {}  # EWMA of put seconds per image byte
-        self._base_puts = 0
+        self._wire_rates: dict[str, float] = {}  # EWMA of full-shard PUT bytes/s per peer
         self.run_id = run_id
         self.data_shards = data_shards
         self.parity = parity
@@ -289,8 +318,9 @@ class PeerTier:
     ) -> PeerPutResult:
         """Store ``image`` (with ``meta``, a few KB the caller needs to decode it) as
         checkpoint ``ckpt_id``; with ``base=(base_id, base_image)`` send deltas where the
-        peers still hold ``base_id``. Raises :class:`PeerUnavailable` naming each shard that
-        could not be placed (nothing is committed then)."""
+        peers still hold ``base_id`` and a delta is estimated faster (``deltas: auto``, see
+        ``deltas``) or forced (``always``). Raises :class:`PeerUnavailable` naming each shard
+        that could not be placed (nothing is committed then)."""
         start = time.perf_counter()
         self._check_open()
         if isinstance(ckpt_id, bool) or not isinstance(ckpt_id, int) or ckpt_id < 0:
@@ -303,33 +333,30 @@ class PeerTier:
         size = shard_size(image_len, self.data_shards)
         shards = split(image, self.data_shards)
         if self.parity:
-            shards.append(xor_of(shards))
-        stripe = list(self._pool.map(_sha256, shards))
+            shards.append(np.empty(size, dtype=np.uint8))
+        stripe = parity_and_digests(shards[:self.data_shards],
+                                    shards[-1] if self.parity else None)
         common = {"run_id": self.run_id, "ckpt_id": ckpt_id, "shard_count": self.shard_count,
                   "data_shards": self.data_shards, "stripe": stripe, "image_len": image_len,
-                  "shard_size": size, "meta_len": len(meta),
-                  "meta_sha256": hashlib.sha256(meta).hexdigest(),
+                  "shard_size": size, "meta_len": len(meta), "meta_digest": digest_of(meta),
                   "lease_seconds": self.lease_seconds}
 
         targets: list[str | None] = [None] * self.shard_count
-        base_shards: list[np.ndarray | None] = [None] * self.shard_count
+        plans: list[_DeltaPlan | None] = [None] * self.shard_count
         layout = (self._base_layout(base[0], image_len, size)
-                  if base is not None and self._want_delta() else None)
+                  if base is not None and self.deltas != "never" else None)
         if base is not None and layout is not None:
-            old = split(base[1], self.data_shards)
-            if self.parity:
-                old.append(xor_of(old))
             usable = {r.endpoint for r in self.placement.readings() if r.up and not r.avoided}
-            for i, endpoint in enumerate(layout.endpoints):
-                if endpoint in usable:
-                    targets[i], base_shards[i] = endpoint, old[i]
+            holders = {i: e for i, e in enumerate(layout.endpoints) if e in usable}
+            for i, endpoint in holders.items():
+                targets[i] = endpoint
+            plans = self._plan_deltas(base, shards, holders)
         claims = _Claims({t for t in targets if t is not None})
 
         def place(i: int) -> tuple[str, int, bool]:
-            header = {**common, "shard_index": i, "sha256": stripe[i],
+            header = {**common, "shard_index": i, "digest": stripe[i],
                       "kind": "parity" if i == self.data_shards else "data"}
-            return self._place(header, shards[i], base_shards[i], base, targets[i], meta,
-                               claims)
+            return self._place(header, shards[i], plans[i], targets[i], meta, claims)
 
         futures = [self._pool.submit(place, i) for i in range(self.shard_count)]
         placed: list[tuple[str, int, bool] | None] = []
@@ -353,51 +380,74 @@ class PeerTier:
             for old_id in sorted(self._layouts)[:-_LAYOUTS_KEPT]:
                 del self._layouts[old_id]
         deltas = sum(1 for p in done if p[2])
-        seconds = time.perf_counter() - start
-        self._note_cost("delta" if deltas else "full", seconds / max(image_len, 1))
         return PeerPutResult(ckpt_id, endpoints, sum(p[1] for p in done),
-                             len(done) - deltas, deltas, seconds)
+                             len(done) - deltas, deltas, time.perf_counter() - start)
 
-    def _want_delta(self) -> bool:
-        """Deltas trade CPU (XOR + byte-plane coding here, a fold on the peer) for bytes on
-        the wire: they pay on a slow link or for weights that barely move, and cost time
-        when the CPUs are the bottleneck (measured on loopback: a 1 GB delta put after one
-        AdamW step took 4x a full put). ``auto`` keeps the measured seconds per image byte of
-        each kind and takes the cheaper, trying the other every ``_EXPLORE_EVERY`` puts so a
-        change of regime is noticed."""
-        if self.deltas != "auto":
-            return self.deltas == "always"
-        self._base_puts += 1
-        delta, full = self._seconds_per_byte.get("delta"), self._seconds_per_byte.get("full")
-        if delta is None or full is None:
-            return delta is None
-        cheaper_is_delta = delta <= full
-        explore = self._base_puts % _EXPLORE_EVERY == 0
-        return cheaper_is_delta != explore
+    def _plan_deltas(
+        self, base: tuple[int, Buffer], shards: Sequence[np.ndarray], holders: dict[int, str]
+    ) -> list[_DeltaPlan | None]:
+        """Which shards go as deltas to the holders of the base (see ``deltas``): with
+        ``auto``, each shard's sample is encoded here, before any transfer starts, so the
+        estimates do not compete with the transfers for the CPU."""
+        old = split(base[1], self.data_shards)
+        ranges = sample_ranges(shards[0].size)
+        plans: list[_DeltaPlan | None] = [None] * self.shard_count
+        for i, endpoint in holders.items():
+            sources = [i] if i < self.data_shards else list(range(self.data_shards))
+            if self.deltas == "always" and len(ranges) > 1:  # no estimate needed
+                plans[i] = _DeltaPlan(base[0], old, None)
+                continue
+            est = estimate(self._codec, gather([shards[j] for j in sources], ranges),
+                           gather([old[j] for j in sources], ranges), shards[i].size)
+            if self.deltas == "always" or delta_pays(
+                    est, self._wire_rate(endpoint), concurrent=len(holders),
+                    cores=os.cpu_count() or 1):
+                plans[i] = _DeltaPlan(base[0], old, est.blob)
+        return plans
 
-    def _note_cost(self, kind: str, seconds_per_byte: float) -> None:
-        old = self._seconds_per_byte.get(kind)
-        self._seconds_per_byte[kind] = (seconds_per_byte if old is None else
-                                        _COST_ALPHA * seconds_per_byte
-                                        + (1 - _COST_ALPHA) * old)
+    def _wire_rate(self, endpoint: str) -> float | None:
+        """Measured bytes/s of full shard transfers to ``endpoint`` (else the mean over the
+        peers measured; None before the first full put)."""
+        with self._lock:
+            rate = self._wire_rates.get(endpoint)
+            if rate is None and self._wire_rates:
+                rate = sum(self._wire_rates.values()) / len(self._wire_rates)
+            return rate
+
+    def _note_wire(self, endpoint: str, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            old = self._wire_rates.get(endpoint)
+            self._wire_rates[endpoint] = (rate if old is None else
+                                          _RATE_ALPHA * rate + (1 - _RATE_ALPHA) * old)
 
     def _place(
         self,
         header: dict[str, Any],
         shard: np.ndarray,
-        base_shard: np.ndarray | None,
-        base: tuple[int, Buffer] | None,
+        plan: _DeltaPlan | None,
         endpoint: str | None,
         meta: bytes,
         claims: _Claims,
     ) -> tuple[str, int, bool]:
         """Send one shard; returns (endpoint, bytes sent, was a delta). Tries a delta to the
-        base's holder first, then full shards to fresh peers until one takes it."""
+        base's holder first when planned, then the full shard to that holder, or to fresh
+        peers until one takes it."""
         reasons: list[str] = []
-        if endpoint is not None and base_shard is not None and base is not None:
-            blob = self._codec.encode_parts(shard_tensor(shard), base=shard_tensor(base_shard))
+        if endpoint is not None and plan is not None:
+            blob = plan.blob
+            if blob is None:
+                index = header["shard_index"]
+                sources = [plan.old[index]] if index < self.data_shards else plan.old
+                base_shard = sources[0] if len(sources) == 1 else xor_of(sources)
+                blob = self._codec.encode_parts(shard_tensor(shard),
+                                                base=shard_tensor(base_shard))
+            delta_header = {**header, "base_id": plan.base_id,
+                            "delta_digest": digest_of_pieces(blob)}
             try:  # the blob's parts are sent as they are: joining them would copy the shard
-                self._request(endpoint, Op.DELTA, {**header, "base_id": base[0]}, [meta, *blob])
+                self._request(endpoint, Op.DELTA, delta_header, [meta, *blob])
                 return endpoint, sum(memoryview(part).nbytes for part in blob), True
             except PeerRequestError as e:
                 if e.code != "no_base":
@@ -411,7 +461,9 @@ class PeerTier:
             if endpoint is None:
                 endpoint = self._claim(claims, reasons)
             try:
+                t0 = time.perf_counter()
                 self._request(endpoint, Op.PUT, header, [meta, shard])
+                self._note_wire(endpoint, shard.size, time.perf_counter() - t0)
                 return endpoint, shard.size, False
             except _REQUEST_ERRORS as e:
                 reasons.append(f"@{endpoint}: {_reason(e)}")
@@ -432,7 +484,7 @@ class PeerTier:
 
     def _request(
         self, endpoint: str, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = (),
-        max_reply_payload: int = 0,
+        max_reply_payload: int = 0, reply_into: ReplyInto | None = None,
     ) -> Frame:
         """One request, with its outcome reported to placement (a failure or a transfer
         slower than ``timeout_seconds`` makes the peer avoided next time) and, when the peer
@@ -441,7 +493,8 @@ class PeerTier:
         try:
             reply = self._connections.call(endpoint, op, header, parts,
                                            timeout_seconds=self.timeout_seconds,
-                                           max_reply_payload=max_reply_payload)
+                                           max_reply_payload=max_reply_payload,
+                                           reply_into=reply_into)
         except PeerRequestError as e:
             ok = e.code in ("no_base", "not_found")  # a sound peer answering a fair no
             self.placement.report(endpoint, ok, time.perf_counter() - start)
@@ -545,76 +598,102 @@ class PeerTier:
     def _fetch_one(
         self, stripe: _Stripe, unreachable: dict[str, str], start: float
     ) -> PeerFetchResult:
-        n = stripe.data_shards
-        got: dict[int, tuple[np.ndarray, Frame]] = {}
+        """The checkpoint ``stripe`` describes: every data shard received in parallel (one
+        request per peer) straight into its place in one image, digested as it arrives; one
+        missing or damaged shard rebuilt from parity in place."""
+        n, size = stripe.data_shards, stripe.shard_size
+        has_parity = stripe.shard_count > n
+        image = np.empty(stripe.image_len, dtype=np.uint8)
+        places = [ShardPlace.in_image(image, i, size) for i in range(n)]
+        frames: dict[int, Frame] = {}
         lost: dict[int, str] = {}
         fetched_bytes = [0]
+        parity_place: ShardPlace | None = None
 
-        def fetch_shards(indices: Sequence[int]) -> None:
-            results = self._pool.map(lambda i: self._get_shard(stripe, i, fetched_bytes),
-                                     indices)
+        def fetch(indices: Sequence[int]) -> None:
+            wanted = {i: places[i] if i < n else parity_place for i in indices}
+            results = self._pool.map(
+                lambda i: self._get_shard(stripe, i, wanted[i], fetched_bytes), indices)
             for i, result in zip(indices, results, strict=True):
                 if isinstance(result, str):
                     lost[i] = result
                 else:
-                    got[i] = result
+                    frames[i] = result
+
+        def with_parity(indices: list[int]) -> list[int]:
+            nonlocal parity_place
+            if not stripe.holders.get(n):
+                lost[n] = self._why_missing(stripe, n, unreachable)
+                return indices
+            parity_place = ShardPlace.scratch(size)
+            return [*indices, n]
 
         for i in range(n):
             if not stripe.holders.get(i):
                 lost[i] = self._why_missing(stripe, i, unreachable)
-        fetch_shards([i for i in range(n) if i not in lost])
-        has_parity = stripe.shard_count > n
-        if len(lost) == 1 and has_parity:
-            if stripe.holders.get(n):
-                fetch_shards([n])
-            else:
-                lost[n] = self._why_missing(stripe, n, unreachable)
+        wanted = [i for i in range(n) if i not in lost]
+        if len(lost) == 1 and has_parity:  # known lost: fetch the parity alongside the data
+            wanted = with_parity(wanted)
+        if len(lost) <= 1:
+            fetch(wanted)
+        if len(lost) == 1 and has_parity and n not in frames and n not in lost:
+            fetch(with_parity([]))  # a shard failed in flight
         if len(lost) > 1 or (lost and not has_parity):
             raise PeerUnavailable(
                 f"checkpoint {stripe.ckpt_id} of run {self.run_id!r} cannot be recovered from "
                 f"peers: {_describe(lost)}", lost)
-        frames = [f for _, f in got.values()]
-        expected = _agreed_stripe(frames, stripe)
+        expected = _agreed_stripe(list(frames.values()), stripe)
         rebuilt = None
-        data: list[np.ndarray | None] = [got[i][0] if i in got else None for i in range(n)]
         if lost:
+            assert parity_place is not None
             rebuilt = next(iter(lost))
-            data[rebuilt] = shard = rebuild(data, got[n][0])
-            if expected is not None and _sha256(shard) != expected[rebuilt]:
+            others = [places[i] for i in range(n) if i != rebuilt]
+            digest = places[rebuilt].rebuild(parity_place, others)
+            if expected is not None and digest != expected[rebuilt]:
                 raise PeerUnavailable(
                     f"checkpoint {stripe.ckpt_id}: shard {rebuilt} rebuilt from parity does not "
-                    f"match its sha256 (lost because: {lost[rebuilt]})", lost)
+                    f"match its digest (lost because: {lost[rebuilt]})", lost)
             log.warning("peer tier: rebuilt shard %d of checkpoint %d from parity (%s)",
                         rebuilt, stripe.ckpt_id, lost[rebuilt])
-        meta = frames[0].meta
-        image = join([d for d in data if d is not None], stripe.image_len)
+        meta = next(iter(frames.values())).meta
         return PeerFetchResult(stripe.ckpt_id, image, meta, fetched_bytes[0], rebuilt,
                                time.perf_counter() - start)
 
     def _get_shard(
-        self, stripe: _Stripe, index: int, fetched_bytes: list[int]
-    ) -> tuple[np.ndarray, Frame] | str:
-        """Shard ``index`` from the first holder that returns it intact, or why none did."""
+        self, stripe: _Stripe, index: int, place: ShardPlace, fetched_bytes: list[int]
+    ) -> Frame | str:
+        """Shard ``index`` received into ``place`` from the first holder whose bytes match
+        their digest, or why none did (a later holder overwrites a damaged copy)."""
         header = {"run_id": self.run_id, "ckpt_id": stripe.ckpt_id, "shard_index": index}
+        size = stripe.shard_size
+
+        def into(head: Head) -> Sequence[memoryview]:
+            if head.header.get("shard_size") != size:
+                raise ProtocolError(f"GET reply for shard {index} holds a shard of "
+                                    f"{head.header.get('shard_size')!r} bytes, the stripe's "
+                                    f"are {size}")
+            return place.views()
+
         reasons = []
         for endpoint in stripe.holders[index]:
             try:
-                reply = self._request(endpoint, Op.GET, header,
-                                      max_reply_payload=stripe.shard_size + MAX_META_BYTES)
+                reply = self._request(endpoint, Op.GET, header, reply_into=into,
+                                      max_reply_payload=size + MAX_META_BYTES)
             except _REQUEST_ERRORS as e:
                 reasons.append(f"@{endpoint}: {_reason(e)}")
                 continue
             with self._lock:
-                fetched_bytes[0] += len(reply.payload)
+                fetched_bytes[0] += size
             h = reply.header
-            body = np.frombuffer(reply.payload, dtype=np.uint8)
-            if body.size != stripe.shard_size or h.get("sha256") != _sha256(body):
-                reasons.append(f"@{endpoint}: {_MISMATCH}")
+            if reply.payload_digest != h.get("digest") or not _names_itself(h, index, stripe):
+                reasons.append(f"@{endpoint}: {_MISMATCH} (shard {index} of checkpoint "
+                               f"{stripe.ckpt_id}: expected {h.get('digest')!r}, received "
+                               f"{reply.payload_digest})")
                 continue
-            if h.get("meta_sha256") != hashlib.sha256(reply.meta).hexdigest():
+            if h.get("meta_digest") != digest_of(reply.meta):
                 reasons.append(f"@{endpoint}: meta {_MISMATCH}")
                 continue
-            return body, reply
+            return reply
         return "; ".join(reasons)
 
     def _why_missing(self, stripe: _Stripe, index: int, unreachable: dict[str, str]) -> str:
@@ -761,7 +840,7 @@ class PeerCheckpointTier:
                           result.bytes_sent, delta=result.delta_shards > 0)
 
     def get(self, step: int) -> CheckpointImage:
-        """The image, every shard checked against its SHA256 (one lost or corrupt shard is
+        """The image, every shard checked against its digest (one lost or corrupt shard is
         rebuilt from parity). A step the peers hold but never committed (a failed put) is not
         returned. Peers that cannot be reached raise :class:`PeerUnavailable`, or
         :class:`NoCheckpointError` when none that answered holds the step (with why the others
@@ -778,8 +857,7 @@ class PeerCheckpointTier:
                                      str(e)) from e
             raise
         meta = ImageMeta.decode(fetched.meta, where=where, step=step, rank=self.rank)
-        arena = (torch.frombuffer(fetched.image, dtype=torch.uint8) if fetched.image
-                 else torch.empty(0, dtype=torch.uint8))
+        arena = torch.from_numpy(fetched.image)
         if fetched.rebuilt_shard is not None:
             where += f" (shard {fetched.rebuilt_shard} rebuilt from parity)"
         return CheckpointImage(step, meta.state, arena, meta.layout, meta.level, meta.reason,
@@ -804,8 +882,13 @@ def _either(
     return lambda endpoint: first(endpoint) or second(endpoint)
 
 
-def _sha256(data: np.ndarray) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _names_itself(header: dict[str, Any], index: int, stripe: _Stripe) -> bool:
+    """Whether a GET reply's header lists a stripe of this checkpoint's shape with its own
+    digest at ``index`` (what ``_agreed_stripe`` and a rebuild rely on)."""
+    listed = header.get("stripe")
+    return (is_digest(header.get("digest")) and isinstance(listed, list)
+            and len(listed) == stripe.shard_count and all(is_digest(d) for d in listed)
+            and listed[index] == header["digest"])
 
 
 def _reason(error: BaseException) -> str:

@@ -1,7 +1,8 @@
 """The peer daemon: ``ckptpilot peer serve`` holds other nodes' shards in RAM (SPEC §6).
 
 Owns: the TCP server (one thread per connection), the meaning of each request, checking
-every received shard's SHA256, folding deltas into their base in the background, the lease
+every received shard's digest (as it arrives), folding deltas into their base in the
+background and checking the result's digest, the lease
 reaper, clean shutdown on SIGTERM, and the ``peer`` CLI commands (``serve``, and ``registry``,
 which hosts the health registry). Must not: decide placement or parity (clients do), or
 persist anything (a restarted daemon is empty by design). With ``--registry`` the daemon
@@ -14,8 +15,11 @@ Lifecycle: :class:`PeerDaemon` binds in ``__init__`` (``port=0`` picks a free po
 finish, idle connections close, then the call returns.
 
 Threading: connection threads read, verify and answer requests; a small pool folds deltas
-(``new = decode(delta, base=old)``, then the SHA256 the client announced is checked); a
+(``new = decode(delta, base=old)``, then the digest the client announced is checked); a
 reaper thread frees runs whose lease ran out. Shared state lives in :class:`ShardStore`.
+
+Zero copy: a shard is received with ``recv_into`` straight into the array that then holds
+it (digested piece by piece as it lands), and sent back on GET straight from that array.
 
 A malformed frame (garbage, truncated, oversized, unparseable) gets an ERR reply naming the
 fault and closes that connection only, with one logged line; a request that fails on a bug
@@ -28,7 +32,6 @@ queue instead of having their SYNs dropped (a retransmit costs a second or more)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import select
 import signal
@@ -42,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import ProtocolError
 from ckptpilot.tiers.peer.placement import describe_failure
 from ckptpilot.tiers.peer.protocol import (
@@ -219,15 +223,15 @@ class PeerDaemon:
         except BaseException:
             self.store.unreserve(head.payload_len)
             raise
-        problem = _check_meta(h, frame.meta) or _check_sha(
-            h["sha256"], frame.payload, f"received shard {h['shard_index']} of checkpoint "
-            f"{h['ckpt_id']}; resend it")
+        problem = _check_meta(h, frame.meta) or _check_digest(
+            h["digest"], frame.payload_digest, f"received shard {h['shard_index']} of "
+            f"checkpoint {h['ckpt_id']}; resend it")
         if problem is not None:
             self.store.unreserve(head.payload_len)
             send_error(sock, *problem)
             return
-        entry = Entry(_key(h), {f: h[f] for f in SHARD_FIELDS}, frame.meta,
-                      np.frombuffer(frame.payload, dtype=np.uint8), head.payload_len)
+        entry = Entry(_key(h), {f: h[f] for f in SHARD_FIELDS}, frame.meta, frame.payload,
+                      head.payload_len)
         self.store.add(entry, reserved=head.payload_len, lease_seconds=h["lease_seconds"])
         send_frame(sock, Op.OK, {})
 
@@ -249,7 +253,9 @@ class PeerDaemon:
         except BaseException:
             self.store.unreserve(reserved)
             raise
-        problem = _check_meta(h, frame.meta)
+        problem = _check_meta(h, frame.meta) or _check_digest(
+            h["delta_digest"], frame.payload_digest, f"received delta of shard "
+            f"{h['shard_index']} of checkpoint {h['ckpt_id']}; resend it")
         if problem is not None:
             self.store.unreserve(reserved)
             send_error(sock, *problem)
@@ -263,8 +269,8 @@ class PeerDaemon:
         self._folds.submit(self._fold, entry, base, frame.payload)
         send_frame(sock, Op.OK, {"folding": True})
 
-    def _fold(self, entry: Entry, base: Entry, delta: bytearray) -> None:
-        """``new = decode(delta, base)``, verified against the announced SHA256."""
+    def _fold(self, entry: Entry, base: Entry, delta: np.ndarray) -> None:
+        """``new = decode(delta, base)``, verified against the announced digest."""
         data, error = None, None
         try:
             if not base.ready.wait(self.fold_wait_seconds):
@@ -276,7 +282,7 @@ class PeerDaemon:
             if data.size != entry.info["shard_size"]:
                 raise ValueError(f"delta decoded to {data.size} bytes, expected "
                                  f"{entry.info['shard_size']}")
-            problem = _check_sha(entry.info["sha256"], data, "folded shard")
+            problem = _check_digest(entry.info["digest"], digest_of(data), "folded shard")
             if problem is not None:
                 raise ValueError(problem[1])
         except Exception as e:
@@ -379,19 +385,18 @@ def _key(h: dict[str, Any]) -> tuple[str, int, int]:
     return h["run_id"], h["ckpt_id"], h["shard_index"]
 
 
-def _check_sha(expected: str, data: Any, what: str) -> tuple[str, str] | None:
-    actual = hashlib.sha256(data).hexdigest()
+def _check_digest(expected: str, actual: str | None, what: str) -> tuple[str, str] | None:
     if actual == expected:
         return None
-    return ("sha256_mismatch", f"sha256 mismatch on the {what} (expected {expected}, got "
+    return ("digest_mismatch", f"digest mismatch on the {what} (expected {expected}, got "
             f"{actual})")
 
 
 def _check_meta(h: dict[str, Any], meta: bytes) -> tuple[str, str] | None:
-    if hashlib.sha256(meta).hexdigest() == h["meta_sha256"]:
+    if digest_of(meta) == h["meta_digest"]:
         return None
-    return ("sha256_mismatch", f"meta of checkpoint {h['ckpt_id']} does not match its "
-            "meta_sha256; resend it")
+    return ("digest_mismatch", f"meta of checkpoint {h['ckpt_id']} does not match its "
+            "meta_digest; resend it")
 
 
 def _close_after_error(sock: socket.socket, code: str, message: str) -> None:

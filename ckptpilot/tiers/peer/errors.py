@@ -18,7 +18,7 @@ class ProtocolError(CkptPilotError, ValueError):
 
 class PeerRequestError(CkptPilotError, RuntimeError):
     """A peer answered a request with ERR; ``code`` is machine-readable (``no_base``,
-    ``out_of_memory``, ``not_found``, ``sha256_mismatch``, ``fold_failed``, ``refused``,
+    ``out_of_memory``, ``not_found``, ``digest_mismatch``, ``fold_failed``, ``refused``,
     ``bad_request``)."""
 
     def __init__(self, endpoint: str, code: str, message: str) -> None:

@@ -15,16 +15,24 @@ Shard-carrying frames (PUT, DELTA and the reply to GET) put the checkpoint's met
 the payload and the shard (or its encoded delta) after it; ``meta_len`` in the header says
 where the meta ends, so the meta never has to be base64-encoded into the header. A DELTA's
 shard part is a ``ckptpilot.codecs`` ``xor_delta`` blob of the new shard against the base
-shard, both viewed as :data:`DELTA_DTYPE`.
+shard, both viewed as :data:`DELTA_DTYPE`. Their headers carry XXH3-128 digests (see
+``digest``): ``digest`` of the shard, ``stripe`` (the digests of all shards of the save),
+``meta_digest``, and for a DELTA ``delta_digest`` of the encoded bytes.
 
 The reader validates before it allocates: the prelude is checked (magic, version, op,
 header size, payload size against the reader's limit), then the header (JSON, required
 fields, their types and their agreement with the declared payload size), and only then is a
-buffer of exactly the declared size allocated for the payload. Anything wrong raises
-:class:`ProtocolError` naming the problem; the connection cannot be trusted after that.
-Numbers are bounded to 64-bit integers (so that a lease of 10**400 seconds is refused here,
-not where it meets a float), and JSON numbers too long for Python to parse are malformed JSON
-like any other.
+buffer of exactly the declared size allocated for the payload, or the caller's buffers
+(``into``) are checked to hold exactly that many bytes. The part after the meta is digested
+while it arrives (:attr:`Frame.payload_digest`), so a receiver never reads its bytes twice.
+Anything wrong raises :class:`ProtocolError` naming the problem; the connection cannot be
+trusted after that. Numbers are bounded to 64-bit integers (so that a lease of 10**400
+seconds is refused here, not where it meets a float), and JSON numbers too long for Python
+to parse are malformed JSON like any other.
+
+Zero copy: a frame is sent with ``sendmsg`` of the header and the caller's buffers as they
+are (a shard is a view of the image), and received with ``recv_into`` straight into its
+destination; no payload passes through an intermediate ``bytes`` object.
 """
 
 from __future__ import annotations
@@ -43,21 +51,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptpilot.tiers.peer.digest import Hasher, is_digest
 from ckptpilot.tiers.peer.errors import PeerRequestError, ProtocolError
 
 MAGIC = b"CKPP"
-VERSION = 1
+VERSION = 2
 PRELUDE = struct.Struct("<4sHBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_META_BYTES = 16 * 2**20
 """The largest meta a shard may carry; meta is a small JSON description of the state."""
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview | np.ndarray
 
 _DISCARD_CHUNK = 1 << 20
+_RECV_CHUNK = 1 << 20  # digested right after each recv, while it is still in the cache
+_IOV_MAX = 1024
 _MAX_INT = 2**63 - 1
 _MAX_ERROR_CHARS = 4096
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
 
 
@@ -98,13 +108,16 @@ class Head:
 @dataclass(frozen=True)
 class Frame:
     """A whole frame. Frames whose header has ``meta_len`` (PUT, DELTA, the OK to GET) are
-    read as two fresh buffers, ``meta`` and the rest as ``payload``, so the shard starts at
-    an aligned address; other frames have an empty ``meta``."""
+    read as ``meta`` and the rest, the body, which goes into the reader's buffers (``into``)
+    or a fresh uninitialised array, ``payload``, that the bytes fill entirely (so a shard
+    starts at an aligned address); other frames have an empty ``meta``. ``payload_digest``
+    is the digest of the body of a frame with ``meta_len``, computed as it arrived."""
 
     op: Op
     header: dict[str, Any]
-    payload: bytearray
+    payload: np.ndarray
     meta: bytes = b""
+    payload_digest: str | None = None
 
 
 # ----------------------------------------------------------------------------- field checks
@@ -123,12 +136,8 @@ def _run_id(v: object) -> bool:
     return isinstance(v, str) and 0 < len(v) <= 256
 
 
-def _sha(v: object) -> bool:
-    return isinstance(v, str) and _HEX64.fullmatch(v) is not None
-
-
 def _stripe(v: object) -> bool:
-    return isinstance(v, list) and 0 < len(v) <= 1024 and all(_sha(s) for s in v)
+    return isinstance(v, list) and 0 < len(v) <= 1024 and all(is_digest(s) for s in v)
 
 
 def _str(v: object) -> bool:
@@ -142,17 +151,17 @@ _SHARD_FIELDS: dict[str, Callable[[object], bool]] = {
     "shard_count": _int(1, 1024),
     "data_shards": _int(1, 1024),
     "kind": lambda v: v in SHARD_KINDS,
-    "sha256": _sha,
+    "digest": is_digest,
     "stripe": _stripe,
     "image_len": _int(0),
     "shard_size": _int(8),
     "meta_len": _int(0, MAX_META_BYTES),
-    "meta_sha256": _sha,
+    "meta_digest": is_digest,
     "lease_seconds": _positive_number,
 }
 _FIELDS: dict[Op, dict[str, Callable[[object], bool]]] = {
     Op.PUT: _SHARD_FIELDS,
-    Op.DELTA: {**_SHARD_FIELDS, "base_id": _int(0)},
+    Op.DELTA: {**_SHARD_FIELDS, "base_id": _int(0), "delta_digest": is_digest},
     Op.COMMIT: {"run_id": _run_id, "ckpt_id": _int(0), "lease_seconds": _positive_number},
     Op.GET: {"run_id": _run_id, "ckpt_id": _int(0), "shard_index": _int(0)},
     Op.LIST: {"run_id": _run_id},
@@ -197,8 +206,8 @@ def _check_shard_header(op: Op, h: dict[str, Any], payload_len: int) -> None:
     if (h["kind"] == "parity") != (index == data):
         raise ProtocolError(f"{op.name}: shard {index} of {count} cannot be of kind "
                             f"{h['kind']!r}")
-    if len(h["stripe"]) != count or h["stripe"][index] != h["sha256"]:
-        raise ProtocolError(f"{op.name}: stripe must list the sha256 of all {count} shards, "
+    if len(h["stripe"]) != count or h["stripe"][index] != h["digest"]:
+        raise ProtocolError(f"{op.name}: stripe must list the digest of all {count} shards, "
                             "this shard's at its index")
     if h["shard_size"] % 8 or h["shard_size"] * data < h["image_len"]:
         raise ProtocolError(f"{op.name}: shard_size {h['shard_size']} must be a multiple of 8 "
@@ -223,13 +232,27 @@ def shard_tensor(shard: np.ndarray) -> torch.Tensor:
 
 def recv_exactly(sock: socket.socket, view: memoryview, what: str) -> None:
     """Fill ``view`` from the socket; :class:`ProtocolError` if the peer closes first."""
-    got, size = 0, len(view)
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ProtocolError(f"truncated frame: connection closed after {got} of {size} "
-                                f"bytes of the {what}")
-        got += n
+    _recv_views(sock, [view], what, None)
+
+
+def _recv_views(
+    sock: socket.socket, views: Sequence[memoryview], what: str, hasher: Hasher | None
+) -> None:
+    """Fill ``views`` in order, straight from the socket, feeding each piece to ``hasher``
+    as it lands; the error for an early close counts bytes over all of them."""
+    got, size = 0, sum(v.nbytes for v in views)
+    for view in views:
+        done, n_view = 0, view.nbytes
+        while done < n_view:
+            piece = view[done:done + _RECV_CHUNK]
+            n = sock.recv_into(piece)
+            if n == 0:
+                raise ProtocolError(f"truncated frame: connection closed after {got} of "
+                                    f"{size} bytes of the {what}")
+            if hasher is not None:
+                hasher.update(piece[:n])
+            done += n
+            got += n
 
 
 def read_head(sock: socket.socket, *, max_payload: int) -> Head | None:
@@ -270,14 +293,31 @@ def read_head(sock: socket.socket, *, max_payload: int) -> Head | None:
     return Head(op, validate_header(op, header, payload_len), payload_len)
 
 
-def read_payload(sock: socket.socket, head: Head) -> Frame:
-    """The rest of the frame announced by ``head``: buffers of exactly the declared sizes."""
+def read_payload(
+    sock: socket.socket, head: Head, into: Sequence[memoryview] | None = None
+) -> Frame:
+    """The rest of the frame announced by ``head``: the meta in a fresh buffer, the body in
+    ``into`` (byte views that must add up to exactly its size; then ``Frame.payload`` is
+    empty) or in a fresh array of exactly the declared size. Nothing is zero-filled first:
+    the bytes received fill every byte, or this raises."""
     meta_len = head.header.get("meta_len", 0) if head.op in _META_OPS else 0
     meta = bytearray(meta_len)
     recv_exactly(sock, memoryview(meta), f"{head.op.name} meta")
-    payload = bytearray(head.payload_len - meta_len)
-    recv_exactly(sock, memoryview(payload), f"{head.op.name} payload")
-    return Frame(head.op, head.header, payload, bytes(meta))
+    body_len = head.payload_len - meta_len
+    if into is None:
+        payload = np.empty(body_len, dtype=np.uint8)
+        views: Sequence[memoryview] = [memoryview(payload)]
+    else:
+        views = [v.cast("B") for v in into]
+        room = sum(v.nbytes for v in views)
+        if room != body_len:
+            raise ProtocolError(f"{head.op.name} carries {body_len} bytes after its meta, the "
+                                f"reader expected {room}")
+        payload = np.empty(0, dtype=np.uint8)
+    hasher = Hasher() if "meta_len" in head.header and head.op in _META_OPS else None
+    _recv_views(sock, views, f"{head.op.name} payload", hasher)
+    return Frame(head.op, head.header, payload, bytes(meta),
+                 None if hasher is None else hasher.hexdigest())
 
 
 def discard_payload(sock: socket.socket, head: Head) -> None:
@@ -310,14 +350,28 @@ def encode_head(op: Op, header: dict[str, Any], payload_len: int) -> bytes:
 def send_frame(
     sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = ()
 ) -> int:
-    """Write one frame (the payload is the concatenation of ``parts``, sent without joining);
-    returns the payload size."""
+    """Write one frame (the payload is the concatenation of ``parts``, sent as they are, in
+    one ``sendmsg`` where the kernel takes it all); returns the payload size."""
     views = [memoryview(p).cast("B") for p in parts]
     payload_len = sum(v.nbytes for v in views)
-    sock.sendall(encode_head(op, header, payload_len))
-    for v in views:
-        sock.sendall(v)
+    _send_views(sock, [memoryview(encode_head(op, header, payload_len)), *views])
     return payload_len
+
+
+def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """``sendmsg`` until every byte is out: the kernel may take part of a batch, and the
+    rest is sent from where it stopped (views are sliced, never copied)."""
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        sent = sock.sendmsg(pending[:_IOV_MAX])
+        while sent:
+            first = pending[0].nbytes
+            if sent >= first:
+                sent -= first
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][sent:]
+                sent = 0
 
 
 def send_error(sock: socket.socket, code: str, message: str) -> None:
@@ -347,6 +401,11 @@ CLOSING_ERRORS = frozenset({"bad_request", "internal_error"})
 """ERR codes after which the daemon closes the connection (the stream is out of step)."""
 
 
+ReplyInto = Callable[[Head], Sequence[memoryview]]
+"""Where the body of an OK reply goes, given its validated head (raise
+:class:`ProtocolError` when the head is not what the caller asked for)."""
+
+
 def call(
     endpoint: str,
     op: Op,
@@ -355,15 +414,17 @@ def call(
     *,
     timeout_seconds: float,
     max_reply_payload: int = 0,
+    reply_into: ReplyInto | None = None,
 ) -> Frame:
-    """One request on a fresh connection; returns the OK reply.
+    """One request on a fresh connection; returns the OK reply (its body received into
+    ``reply_into(head)`` when given).
 
     Raises :class:`PeerRequestError` when the peer answers ERR, :class:`ProtocolError` on a
     malformed reply, and ``OSError`` (``ConnectionRefusedError``, ``TimeoutError``...) when
     the peer cannot be reached or stalls longer than ``timeout_seconds`` on any step.
     """
     with _connect(endpoint, timeout_seconds) as sock:
-        reply = _exchange(sock, op, header, parts, max_reply_payload)
+        reply = _exchange(sock, op, header, parts, max_reply_payload, reply_into)
     return _checked(endpoint, op, reply)
 
 
@@ -404,13 +465,14 @@ class Connections:
         *,
         timeout_seconds: float,
         max_reply_payload: int = 0,
+        reply_into: ReplyInto | None = None,
     ) -> Frame:
         """:func:`call` on a pooled connection (same arguments, results and errors)."""
         sock, reused = self._take(endpoint, timeout_seconds)
         while True:
             resend = reused and op in RESENDABLE
             try:
-                reply = _exchange(sock, op, header, parts, max_reply_payload)
+                reply = _exchange(sock, op, header, parts, max_reply_payload, reply_into)
             except ConnectionError:  # reset or broken pipe: the daemon dropped the connection
                 if not resend:
                     sock.close()
@@ -477,11 +539,15 @@ def _still_open(sock: socket.socket) -> bool:
 
 def _exchange(
     sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer],
-    max_reply_payload: int,
+    max_reply_payload: int, reply_into: ReplyInto | None,
 ) -> Frame | None:
     """Send one request and read its reply; None if the peer closed without replying."""
     send_frame(sock, op, header, parts)
-    return read_frame(sock, max_payload=max_reply_payload)
+    head = read_head(sock, max_payload=max_reply_payload)
+    if head is None:
+        return None
+    into = reply_into(head) if reply_into is not None and head.op is Op.OK else None
+    return read_payload(sock, head, into)
 
 
 def _checked(endpoint: str, op: Op, reply: Frame | None) -> Frame:

@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 Key = tuple[str, int, int]
 """(run_id, ckpt_id, shard_index)."""
 
-SHARD_FIELDS = ("shard_count", "data_shards", "kind", "sha256", "stripe", "image_len",
-                "shard_size", "meta_sha256")
+SHARD_FIELDS = ("shard_count", "data_shards", "kind", "digest", "stripe", "image_len",
+                "shard_size", "meta_digest")
 """Header fields a shard keeps and returns on GET."""
 _LIST_FIELDS = ("shard_count", "data_shards", "kind", "image_len", "shard_size")
 """The subset LIST returns (small, so a LIST reply of hundreds of shards fits a header)."""
