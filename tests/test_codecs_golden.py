@@ -160,6 +160,87 @@ def test_golden_container_reads_back(version: int) -> None:
         assert_bit_equal(tensors[name], tensor)
 
 
+def encode_as_the_fixtures_were(codec: Codec, name: str, tensor: torch.Tensor,
+                                base: torch.Tensor | None) -> bytes:
+    """``codec.encode`` with the chunk size the fixture ``name`` was written with."""
+    chunk = 64 if name.endswith("_chunked") else byteplane.CHUNK_BYTES
+    saved, byteplane.CHUNK_BYTES = byteplane.CHUNK_BYTES, chunk
+    try:
+        return codec.encode(tensor, base)
+    finally:
+        byteplane.CHUNK_BYTES = saved
+
+
+def pin_cases() -> dict[str, tuple[Codec, torch.Tensor, torch.Tensor | None]]:
+    """Inputs whose encoding is pinned byte for byte (``PINS``): every lane layout the plane
+    codecs split and join (2-, 4- and 8-byte elements, raw and coded lanes, a base, chunks,
+    worker threads), so that a faster implementation provably writes the same blobs."""
+    base = trained_fp32(3000, 21)
+    w = words(3000, 22)
+    two_coded = ((w >> np.uint64(62)) << np.uint64(31)  # sign
+                 | (np.uint64(120) + w % np.uint64(3)) << np.uint64(23)  # 3 exponents
+                 | ((w >> np.uint64(8)) % np.uint64(5)) << np.uint64(16)  # 5 top mantissas
+                 | (w >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.uint32)
+    top_halves = (trained_fp32(3000, 23).view(torch.int32) >> 16).to(torch.int16)
+    bf16 = top_halves.view(torch.bfloat16)  # weight-like: a few exponents, random mantissas
+    bf16_moved = (top_halves ^ torch.from_numpy((w & np.uint64(0xFF)).astype(np.int16))).view(
+        torch.bfloat16)  # a random low byte: a raw lane under the base
+    fp16 = torch.from_numpy(((w >> np.uint64(63)) << np.uint64(15)  # sign
+                             | (np.uint64(9) + w % np.uint64(4)) << np.uint64(10)  # 4 exponents
+                             | (w >> np.uint64(20)) & np.uint64(0x3FF)).astype(np.uint16).view(
+        np.int16)).view(torch.float16)
+    moved = (base.view(torch.int32) ^ torch.from_numpy(
+        (w & np.uint64(0xFFFFFF)).astype(np.int32))).view(torch.float32)  # random low 3 bytes
+    return {
+        "byteplane_fp32": (get_codec("byteplane"), trained_fp32(3000, 24), None),
+        "byteplane_fp32_two_coded": (
+            get_codec("byteplane"), torch.from_numpy(two_coded.view(np.float32)), None),
+        "byteplane_fp32_level3": (get_codec("byteplane", level=3), trained_fp32(3000, 25), None),
+        "byteplane_fp32_threads_chunked": (
+            get_codec("byteplane", threads=2), trained_fp32(3000, 26), None),
+        "byteplane_fp64": (get_codec("byteplane"), trained_fp32(1500, 27).double(), None),
+        "byteplane_fp16": (get_codec("byteplane"), fp16, None),
+        "byteplane_bf16": (get_codec("byteplane"), bf16, None),
+        "byteplane_int64": (get_codec("byteplane"), counters(3000), None),
+        "byteplane_uint8": (get_codec("byteplane"), torch.from_numpy(
+            (w & np.uint64(0xFF)).astype(np.uint8)), None),
+        "byteplane_bool": (get_codec("byteplane"), torch.from_numpy(
+            (w % np.uint64(7) == 0).astype(np.bool_)), None),
+        "xor_delta_fp32": (get_codec("xor_delta"), nudged(base, 28), base),
+        "xor_delta_fp32_chunked": (get_codec("xor_delta", threads=2), nudged(base, 29), base),
+        "xor_delta_fp32_slow_tier": (
+            get_codec("xor_delta", min_plane_ratio=1.01), nudged(base, 30), base),
+        "xor_delta_fp32_raw_lanes": (get_codec("xor_delta"), moved, base),
+        "xor_delta_bf16": (get_codec("xor_delta"), bf16_moved, bf16),
+        "prefix_index_fp32": (get_codec("prefix_index"), trained_fp32(3000, 31), None),
+        "prefix_index_bf16": (get_codec("prefix_index"), bf16, None),
+    }
+
+
+def pin(name: str) -> Path:
+    return FIXTURES / "pins" / f"{name}.v{FORMAT_VERSION}.blob"
+
+
+@pytest.mark.parametrize("name", sorted(pin_cases()))
+def test_encoding_today_reproduces_the_pinned_bytes(name: str) -> None:
+    # A faster implementation of the coding must not change one byte of what it writes.
+    codec, tensor, base = pin_cases()[name]
+    expected = pin(name).read_bytes()
+    assert encode_as_the_fixtures_were(codec, name, tensor, base) == expected
+    assert_bit_equal(decode_blob(expected, base), tensor)
+
+
+@pytest.mark.parametrize("name", ["byteplane", "byteplane_bf16", "byteplane_chunked", "raw",
+                                  "zstd", "prefix_index", "prefix_index_fixed",
+                                  "prefix_index_fallback"])
+def test_encoding_today_reproduces_the_golden_bytes(name: str) -> None:
+    # The golden blobs whose coder choices have not changed since they were written (the
+    # xor_delta and container ones predate the literals profile).
+    codec, tensor, base = golden_cases()[name]
+    expected = fixture(name, FORMAT_VERSION, ".blob").read_bytes()
+    assert encode_as_the_fixtures_were(codec, name, tensor, base) == expected
+
+
 def write_missing_fixtures() -> list[Path]:
     """Write the fixtures that do not exist yet; returns the paths written."""
     FIXTURES.mkdir(parents=True, exist_ok=True)
@@ -167,12 +248,13 @@ def write_missing_fixtures() -> list[Path]:
     for name, (codec, tensor, base) in golden_cases().items():
         path = fixture(name, FORMAT_VERSION, ".blob")
         if not path.exists():
-            chunk = 64 if name == "byteplane_chunked" else byteplane.CHUNK_BYTES
-            saved, byteplane.CHUNK_BYTES = byteplane.CHUNK_BYTES, chunk
-            try:
-                path.write_bytes(codec.encode(tensor, base))
-            finally:
-                byteplane.CHUNK_BYTES = saved
+            path.write_bytes(encode_as_the_fixtures_were(codec, name, tensor, base))
+            created.append(path)
+    for name, (codec, tensor, base) in pin_cases().items():
+        path = pin(name)
+        if not path.exists():
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(encode_as_the_fixtures_were(codec, name, tensor, base))
             created.append(path)
     path = fixture("container", FORMAT_VERSION, ".ckpc")
     if not path.exists():
