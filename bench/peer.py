@@ -1,38 +1,35 @@
-"""Peer tier: save throughput and recovery time, against an organ on disk and ``torch.load``.
+"""Peer tier at the hardware's speed: puts, deltas and recovery against loopback and the disk.
 
 The peer tier (SPEC §6) keeps a checkpoint as N data shards + 1 XOR parity shard in the memory
-of N+1 ``ckptpilot peer serve`` daemons. This script measures it on a ~``--gb`` GB training
-state (fp32 ``Linear`` layers; parameters + AdamW ``exp_avg`` + ``exp_avg_sq`` after one real
-AdamW step, built as in bench/stall.py). What is put is what the pilot puts: the snapshot's
-arena (``capture(...).arena``, one contiguous image) plus a small JSON meta in the pilot's peer
-format. Five daemons run on 127.0.0.1 (random ports), started once; one run measures:
+of N+1 ``ckptpilot peer serve`` daemons. One run of this script measures, on a ~``--gb`` GB
+training state (fp32 ``Linear`` layers; parameters + AdamW ``exp_avg`` + ``exp_avg_sq``, built
+as in bench/stall.py) and its snapshot arena (what the pilot puts), with N = 3:
 
-1. save throughput: ``PeerTier.put`` of the full image with N = 1, 2, 3, 4 data shards (+1
-   parity each; the client picks N+1 of the five daemons), each repeat under a fresh run id,
-   dropped on every daemon (``Op.DROP``) right after, so daemon memory never accumulates.
-   GB/s = state bytes / put seconds (parity, SHA256 of every shard, transfer, COMMIT).
-   Then a delta put for N=3: one more optimizer step, a second snapshot, ``put(..., base=)``
-   against the first (what the pilot does for a pulse); bytes sent and seconds, plus how long
-   the daemons took to fold the deltas in the background after ``put`` returned. In the same
-   run, for the same (second) state: the organ written to a directory on the scratch disk
-   (``stage_organ`` + ``publish``: safetensors with SHA256, fsync, atomic rename) and a
-   ``torch.save`` of the model and optimizer state dicts + ``os.fsync`` — the baselines;
-2. recovery of that second state into CPU tensors: ``PeerTier.fetch`` from a fresh
-   ``PeerTier`` object (timed from its construction, as a restarted process would pay it)
-   plus ``arena_views`` over the fetched image, against ``read_organ`` (reads and re-hashes the
-   organ) and ``torch.load(weights_only=True)``, each from a cold page cache
-   (``sync`` + ``/proc/sys/vm/drop_caches`` before every read, when this process may write
-   it; otherwise said in the output) and again right after with the cache warm; then the
-   fetch once more with the daemon holding data shard 0 SIGKILLed, so the shard is rebuilt
-   from parity. No variant loads the tensors into a model (that cost is the same for all).
-   Every variant's result is checked bit for bit against the saved state once (untimed).
+1. references: loopback TCP throughput (one plain socket between two processes: ``sendall``
+   of a buffer in one, ``recv_into`` a buffer in the other, both touched beforehand), the
+   state's SHA256 and XXH3-128 on one thread;
+2. full put: ``PeerTier.put`` of the image (parity, digests, transfers, COMMIT), each repeat
+   under a fresh run id dropped right after, so daemon memory never accumulates; and, for
+   comparison, the organ written to the local disk (``stage_organ`` + ``publish``);
+3. delta puts, each after a full put of its base: after a step that changes only the last
+   layer (the others frozen) and after a step of every layer, each with ``deltas: always``
+   (every shard a delta) and ``deltas: auto`` (the client estimates per shard from a sample
+   and sends in full where a delta would be slower); bytes sent, shards sent as deltas,
+   seconds until ``put`` returned, and seconds more until the daemons had folded;
+4. recovery of the last state: ``PeerTier.fetch`` from a fresh ``PeerTier`` (timed from its
+   construction, as a restarted process pays it) with every peer up, then with the holder of
+   data shard 0 SIGKILLed (its shard rebuilt from parity); against ``read_organ`` of the same
+   state from the local disk (reads and SHA256-checks every byte) with a cold page cache
+   (``sync`` + ``drop_caches`` before each read, when this process may) and a warm one. Every
+   recovered state is compared bit for bit with the saved arena once (untimed).
 
-Everything runs on one host over loopback: the client, five daemons and the disk baselines
-share the same cores and memory bus, so the peer numbers are the CPU, memory and loopback cost
-of the protocol (hashing, parity, socket copies), not a network's. Times are medians over
-``--repeats``; ratios are baseline/variant, so above 1 means the variant is faster.
+Everything runs on one host over loopback: the client, five daemons and the disk share the
+same cores and memory bus, so the peer figures are the CPU, memory and loopback cost of the
+protocol (digests, parity, socket copies), not a network's. The CPU seconds of this process
+and of the daemons are counted per operation. Times are medians over ``--repeats``.
 
-Usage: ``.venv/bin/python bench/peer.py [--gb 1.0] [--dir DIR] [--repeats 3]``
+Usage: ``.venv/bin/python bench/peer.py [--gb 1.0 | --quick] [--repeats 3] [--dir DIR]``
+(``--quick`` is ``--gb 0.1``).
 """
 
 from __future__ import annotations
@@ -43,18 +40,19 @@ import ctypes
 import datetime
 import gc
 import hashlib
-import json
 import logging
+import math
 import os
 import platform
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -62,11 +60,13 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+import xxhash
 from scratch import DEFAULT_DIR, REPO, scratch_dir
 from stall import Layout, State, build_state, state_nbytes
 
+import ckptpilot
 from ckptpilot.format.image import ImageMeta
-from ckptpilot.state import Snapshot, TrainingComponents, arena_views, capture
+from ckptpilot.state import Snapshot, TrainingComponents, capture
 from ckptpilot.storage.archive import read_organ, stage_organ
 from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.peer.protocol import Op, call
@@ -74,13 +74,24 @@ from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Level, RetentionClass
 
 DAEMONS = 5
-DATA_SHARDS = (1, 2, 3, 4)
-RECOVERY_SHARDS = 3
+LAYERS = 5
+BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
+DATA_SHARDS = 3
 MEM_LIMIT = "6GiB"
 TIMEOUT_SECONDS = 120.0  # per socket step; a 1 GB shard on a loaded 2-core box is seconds
 LISTENING = "ckptpilot peer listening on "
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+CODE_ROOT = Path(ckptpilot.__file__).resolve().parents[1]  # the daemons run the same code
 _CHUNK = 64 << 20
+_LOOPBACK_SENDER = """
+import socket, sys
+import numpy as np
+n, port = int(sys.argv[1]), int(sys.argv[2])
+buf = np.ones(n, dtype=np.uint8)  # touched: pages are in memory before the clock starts
+with socket.create_connection(("127.0.0.1", port)) as sock:
+    while sock.recv(1) == b"g":
+        sock.sendall(memoryview(buf))
+"""
 
 
 # ----------------------------------------------------------------------------- daemons
@@ -96,10 +107,11 @@ class Daemon:
         with open(log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                          # Spawned before any thread of ours starts.
-                                         cwd=REPO, preexec_fn=_die_with_parent,  # noqa: PLW1509
+                                         cwd=CODE_ROOT, preexec_fn=_die_with_parent,  # noqa: PLW1509
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.ps = psutil.Process(self.proc.pid)
 
-    def wait_listening(self, timeout: float = 60.0) -> None:
+    def wait_listening(self, timeout: float = 120.0) -> None:
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -112,6 +124,12 @@ class Daemon:
                 if not line:
                     break
         raise RuntimeError(f"peer daemon did not start; its log:\n{self.log_path.read_text()}")
+
+    def cpu_seconds(self) -> float:
+        if self.proc.poll() is not None:
+            return 0.0
+        t = self.ps.cpu_times()
+        return t.user + t.system
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -154,20 +172,11 @@ def daemons(workdir: Path, count: int) -> Iterator[list[Daemon]]:
             d.stop()
 
 
-def drop_run(endpoints: list[str], run_id: str) -> int:
-    """Free ``run_id`` on every live daemon; returns the bytes they freed."""
-    freed = 0
+def drop_run(endpoints: list[str], run_id: str) -> None:
+    """Free ``run_id`` on every live daemon."""
     for endpoint in endpoints:
         with contextlib.suppress(OSError):
-            reply = call(endpoint, Op.DROP, {"run_id": run_id}, timeout_seconds=30)
-            freed += int(reply.header.get("freed", 0))
-    return freed
-
-
-def held_bytes(endpoints: list[str]) -> int:
-    """Shard bytes the live daemons hold in all (only one run is held at a time here)."""
-    return sum(int(call(e, Op.PING, {}, timeout_seconds=30).header["mem_used"])
-               for e in endpoints)
+            call(endpoint, Op.DROP, {"run_id": run_id}, timeout_seconds=30)
 
 
 def wait_folded(endpoints: list[str], run_id: str, ckpt_id: int, timeout: float = 300.0) -> float:
@@ -179,8 +188,93 @@ def wait_folded(endpoints: list[str], run_id: str, ckpt_id: int, timeout: float 
                                 timeout_seconds=30).header.get("shards", [])]
         if shards and all(s["ckpt_id"] == ckpt_id and s["state"] == "ready" for s in shards):
             return time.perf_counter() - t0
-        time.sleep(0.01)
+        time.sleep(0.005)
     raise RuntimeError(f"the daemons did not fold checkpoint {ckpt_id} within {timeout} s")
+
+
+# ------------------------------------------------------------------------------ timing
+
+@dataclass
+class Sample:
+    """One timed operation: wall seconds, CPU seconds of this process and of the daemons."""
+
+    seconds: float
+    client_cpu: float
+    daemon_cpu: float
+
+
+@dataclass
+class Row:
+    name: str
+    nbytes: int  # state bytes the operation moves (throughput = nbytes / seconds)
+    samples: list[Sample] = field(default_factory=list)
+    note: str = ""
+
+    def seconds(self) -> float:
+        return median(s.seconds for s in self.samples)
+
+    def cpu(self) -> tuple[float, float]:
+        return (median(s.client_cpu for s in self.samples),
+                median(s.daemon_cpu for s in self.samples))
+
+
+class Clock:
+    """Times an operation with the CPU seconds it cost here and in the daemons."""
+
+    def __init__(self, procs: list[Daemon]) -> None:
+        self.procs = procs
+
+    def _cpu(self) -> tuple[float, float]:
+        me = psutil.Process().cpu_times()
+        return me.user + me.system, sum(d.cpu_seconds() for d in self.procs)
+
+    def time(self, fn: Callable[[], Any]) -> tuple[Sample, Any]:
+        gc.collect()
+        c0, d0 = self._cpu()
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+        c1, d1 = self._cpu()
+        return Sample(seconds, c1 - c0, d1 - d0), out
+
+
+def loopback(nbytes: int, repeats: int) -> list[float]:
+    """Seconds to move ``nbytes`` over one loopback TCP connection from another process
+    (``sendall`` there, ``recv_into`` a touched buffer here), per repeat."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = subprocess.Popen([sys.executable, "-c", _LOOPBACK_SENDER, str(nbytes),
+                                   str(listener.getsockname()[1])],
+                                  preexec_fn=_die_with_parent)  # noqa: PLW1509
+        try:
+            conn, _ = listener.accept()
+            dest = np.ones(nbytes, dtype=np.uint8)
+            view = memoryview(dest)
+            out = []
+            with conn:
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    conn.sendall(b"g")
+                    got = 0
+                    while got < nbytes:
+                        n = conn.recv_into(view[got:])
+                        if n == 0:
+                            raise RuntimeError("the loopback sender closed early")
+                        got += n
+                    out.append(time.perf_counter() - t0)
+                conn.sendall(b"q")
+        finally:
+            sender.wait(30)
+    return out
+
+
+def hash_speeds(buf: np.ndarray) -> tuple[float, float]:
+    """SHA256 and XXH3-128 GB/s on one thread over ``buf``."""
+    t0 = time.perf_counter()
+    hashlib.sha256(buf).hexdigest()
+    sha = buf.size / (time.perf_counter() - t0) / 1e9
+    t0 = time.perf_counter()
+    xxhash.xxh3_128_hexdigest(buf)
+    return sha, buf.size / (time.perf_counter() - t0) / 1e9
 
 
 # ------------------------------------------------------------------------------- state
@@ -188,6 +282,11 @@ def wait_folded(endpoints: list[str], run_id: str, ckpt_id: int, timeout: float 
 def snapshot_of(state: State, step: int) -> Snapshot:
     model, opt = state
     return capture(TrainingComponents(model=model, optimizer=opt), step=step)
+
+
+def arena_of(snapshot: Snapshot) -> np.ndarray:
+    assert snapshot.arena is not None
+    return snapshot.arena.numpy()
 
 
 def peer_meta(snapshot: Snapshot) -> bytes:
@@ -198,36 +297,25 @@ def peer_meta(snapshot: Snapshot) -> bytes:
                      state=snapshot.meta).encode()
 
 
-def one_more_step(state: State, width: int) -> None:
+def step(state: State, width: int, *, only_last: bool) -> None:
+    """One AdamW step; with ``only_last`` the other layers are frozen (no gradient), so
+    their weights and moments stay as they were."""
     model, opt = state
+    frozen = list(model)[:-1] if only_last else []
+    for layer in frozen:
+        layer.requires_grad_(False)
     torch.manual_seed(1)
     model(torch.randn(4, width)).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    for layer in frozen:
+        layer.requires_grad_(True)
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Equality without a state-sized temporary."""
     return a.size == b.size and all(np.array_equal(a[i:i + _CHUNK], b[i:i + _CHUNK])
                                     for i in range(0, a.size, _CHUNK))
-
-
-def check_tensors(got: dict[str, torch.Tensor], snapshot: Snapshot, what: str) -> None:
-    for key, ref in snapshot.tensors.items():
-        if key.startswith(("model/", "optimizer/")) and not torch.equal(got[key], ref):
-            raise AssertionError(f"{what}: {key} differs from the saved state")
-
-
-def check_torch_load(loaded: dict[str, Any], state: State) -> None:
-    model, opt = state
-    for name, ref in model.state_dict().items():
-        if not torch.equal(loaded["model"][name], ref):
-            raise AssertionError(f"torch.load: model/{name} differs from the saved state")
-    saved = opt.state_dict()["state"]
-    for index, entry in loaded["optimizer"]["state"].items():
-        for key, value in entry.items():
-            if not torch.equal(value, saved[index][key]):
-                raise AssertionError(f"torch.load: optimizer {index}/{key} differs")
 
 
 def drop_page_cache() -> bool:
@@ -240,112 +328,9 @@ def drop_page_cache() -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------ timing
-
-@dataclass
-class PutStat:
-    seconds: list[float]
-    bytes_sent: int
-    held: int
-
-
-def full_puts(endpoints: list[str], snapshot: Snapshot, meta: bytes, data_shards: int,
-              repeats: int) -> PutStat:
-    """``repeats`` full puts of ``snapshot`` with ``data_shards``, each dropped right after."""
-    assert snapshot.arena is not None
-    image = snapshot.arena.numpy()
-    seconds, sent, held = [], 0, 0
-    for r in range(repeats):
-        run_id = f"bench-n{data_shards}-r{r}"
-        with PeerTier(endpoints, run_id=run_id, data_shards=data_shards,
-                      timeout_seconds=TIMEOUT_SECONDS) as tier:
-            gc.collect()
-            t0 = time.perf_counter()
-            result = tier.put(1, image, meta)
-            seconds.append(time.perf_counter() - t0)
-            sent = result.bytes_sent
-            held = held_bytes(endpoints)
-            drop_run(endpoints, run_id)
-    return PutStat(seconds, sent, held)
-
-
-def disk_saves(state: State, snapshot: Snapshot, workdir: Path, repeats: int
-               ) -> tuple[list[float], list[float], RemoteTier, str, Path]:
-    """Organ write and ``torch.save`` + fsync of the same state, ``repeats`` times each; the
-    previous output of each is deleted (untimed) before the next. The last ones stay."""
-    model, opt = state
-    remote = RemoteTier(str(workdir / "remote"))
-    pt = workdir / "state.pt"
-    organ_s, torch_s, name = [], [], ""
-    for _ in range(repeats):
-        if name:
-            remote.remove(name)
-        os.sync()
-        t0 = time.perf_counter()
-        staged = stage_organ(remote, snapshot, reason="bench")
-        remote.publish(staged.staging, staged.name)
-        organ_s.append(time.perf_counter() - t0)
-        name = staged.name
-
-        pt.unlink(missing_ok=True)
-        os.sync()
-        t0 = time.perf_counter()
-        with open(pt, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        torch_s.append(time.perf_counter() - t0)
-    return organ_s, torch_s, remote, name, pt
-
-
-@dataclass
-class Recovered:
-    seconds: float
-    construct_seconds: float  # of ``seconds``: the PeerTier's construction (it probes peers)
-    image: bytearray
-    tensors: dict[str, torch.Tensor]  # views of ``image``
-    rebuilt_shard: int | None
-    bytes_fetched: int
-
-
-def peer_recover(endpoints: list[str], run_id: str, ckpt_id: int) -> Recovered:
-    """A restarted process's recovery: a fresh PeerTier, fetch, tensors as views of the
-    image (the pilot's ``_restore_from_peer`` up to loading them into the live objects)."""
-    gc.collect()
-    t0 = time.perf_counter()
-    tier = PeerTier(endpoints, run_id=run_id, data_shards=RECOVERY_SHARDS,
+def tier(endpoints: list[str], run_id: str, deltas: str = "never") -> PeerTier:
+    return PeerTier(endpoints, run_id=run_id, data_shards=DATA_SHARDS, deltas=deltas,
                     timeout_seconds=TIMEOUT_SECONDS)
-    try:
-        built = time.perf_counter() - t0
-        fetched = tier.fetch(ckpt_id)
-        layout = ImageMeta.decode(fetched.meta).layout
-        tensors = arena_views(torch.frombuffer(fetched.image, dtype=torch.uint8), layout)
-        seconds = time.perf_counter() - t0
-    finally:
-        tier.close()
-    return Recovered(seconds, built, fetched.image, tensors, fetched.rebuilt_shard,
-                     fetched.bytes_fetched)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    gc.collect()
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def reference_speeds() -> tuple[float, float]:
-    """Single-thread SHA256 and memcpy throughput (GB/s) on 256 MB, for reading the numbers."""
-    buf = np.ones(256 << 20, dtype=np.uint8)
-    out = np.empty_like(buf)
-    t0 = time.perf_counter()
-    hashlib.sha256(buf).hexdigest()
-    sha = buf.size / (time.perf_counter() - t0) / 1e9
-    np.copyto(out, buf)  # fault the pages in first
-    t0 = time.perf_counter()
-    np.copyto(out, buf)
-    copy = buf.size / (time.perf_counter() - t0) / 1e9
-    return sha, copy
 
 
 # ------------------------------------------------------------------------------ output
@@ -359,22 +344,32 @@ def git_facts() -> str:
         done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
         return done.stdout if done.returncode == 0 else "?"
 
-    dirty = git("status", "--porcelain", "--", "ckptpilot").splitlines()
+    dirty = git("status", "--porcelain", "--", "ckptpilot/tiers/peer").splitlines()
     changed = ", ".join(line[3:] for line in dirty) or "none"
     head = git("rev-parse", "--short", "HEAD").strip()
-    return f"git HEAD {head}; uncommitted in ckptpilot/: {changed}"
+    where = "" if CODE_ROOT == REPO else f"; ckptpilot imported from {CODE_ROOT}"
+    return f"git HEAD {head}; uncommitted in ckptpilot/tiers/peer: {changed}{where}"
 
 
 def gb(v: float) -> str:
     return f"{v / 1e9:.3f} GB"
 
 
-def ratio(baseline: float, value: float) -> str:
-    return f"{baseline / value:.2f}x" if value > 0 else "n/a"
+def secs(values: list[Sample]) -> str:
+    return ", ".join(f"{v.seconds:.3f}" for v in values)
+
+
+# --------------------------------------------------------------------------------- run
+
+def layout_for(gb: float) -> Layout:
+    """Five square layers (so that four can be frozen), widths a multiple of 64: at 1 GB the
+    5 x Linear(4096, 4096) state of issue 15."""
+    params = gb * 1e9 / BYTES_PER_PARAM / LAYERS
+    return Layout(width=max(64, round(math.isqrt(int(params)) / 64) * 64), layers=LAYERS)
 
 
 def run(args: argparse.Namespace, workdir: Path) -> None:
-    layout = Layout.for_gb(args.gb)
+    layout = layout_for(args.gb)
     print(f"command: {shlex.join(sys.orig_argv)}")
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
@@ -382,234 +377,195 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
           f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM, CUDA available: "
           f"{torch.cuda.is_available()}; load average at start {loadavg()}")
     print(git_facts())
-    print(f"scratch dir: {workdir}")
     print(f"peers: {DAEMONS} `ckptpilot peer serve` daemons on 127.0.0.1 (--mem-limit "
-          f"{MEM_LIMIT}), on this same host: loopback, no network; client, daemons and disk "
-          "share the CPUs above")
+          f"{MEM_LIMIT}), {DATA_SHARDS} data shards + parity; client, daemons and disk share "
+          "the CPUs above (loopback, no network)")
+    repeats = args.repeats
 
     # Daemons first: they are forked before this process runs any thread (torch's pools).
     with daemons(workdir, DAEMONS) as procs:
         endpoints = [d.endpoint for d in procs]
-        sha_gbs, copy_gbs = reference_speeds()
-        print(f"reference on this machine: SHA256 {sha_gbs:.2f} GB/s, memcpy {copy_gbs:.2f} "
-              "GB/s (one thread, 256 MB)")
+        clock = Clock(procs)
         state = build_state(layout)
         nbytes = state_nbytes(state)
-        print(f"state: {layout.layers} x Linear({layout.width}, {layout.width}) fp32 + AdamW "
-              f"exp_avg/exp_avg_sq = {layout.params / 1e6:.1f} M params, {nbytes / 1e9:.3f} GB")
         first = snapshot_of(state, step=1)
-        assert first.arena is not None
-        meta1 = peer_meta(first)
-        print(f"image: the snapshot arena, {first.arena.numel() / 1e9:.3f} GB, + "
-              f"{len(meta1)} bytes of JSON meta")
+        image1, meta1 = arena_of(first), peer_meta(first)
+        print(f"state: {layout.layers} x Linear({layout.width}, {layout.width}) fp32 + AdamW "
+              f"exp_avg/exp_avg_sq = {layout.params / 1e6:.1f} M params, {gb(nbytes)}; "
+              f"image: the snapshot arena, {gb(image1.size)}, + {len(meta1)} bytes of meta")
 
-        # 1. Full puts, N = 1..4.
-        puts = {n: full_puts(endpoints, first, meta1, n, args.repeats) for n in DATA_SHARDS}
+        # 1. References.
+        wire = Row("loopback TCP, 1 stream, process to process (reference)", image1.size)
+        wire.samples = [Sample(s, 0.0, 0.0) for s in loopback(image1.size, repeats)]
+        sha_gbs, xxh_gbs = hash_speeds(image1)
+        print(f"one thread over the image: SHA256 {sha_gbs:.2f} GB/s, XXH3-128 {xxh_gbs:.2f} "
+              "GB/s")
 
-        # Delta put for N = 3: the base in full, one more step, the second snapshot as deltas.
-        run_id = "bench-recovery"
-        tier = PeerTier(endpoints, run_id=run_id, data_shards=RECOVERY_SHARDS,
-                        timeout_seconds=TIMEOUT_SECONDS)
-        try:
-            tier.put(1, first.arena.numpy(), meta1)
-            one_more_step(state, layout.width)
-            second = snapshot_of(state, step=2)
-            assert second.arena is not None
-            gc.collect()
-            t0 = time.perf_counter()
-            delta = tier.put(2, second.arena.numpy(), peer_meta(second),
-                             base=(1, first.arena.numpy()))
-            delta_s = time.perf_counter() - t0
-        finally:
-            tier.close()
-        fold_s = wait_folded(endpoints, run_id, 2)
-        delta_held = held_bytes(endpoints)
-        del first
+        # 2. Full puts, and the organ to the local disk.
+        full = Row(f"peer put, full, N={DATA_SHARDS}", image1.size)
+        sent_full = 0
+        for r in range(repeats):
+            run_id = f"bench-full-{r}"
+            with tier(endpoints, run_id) as t:
+                sample, result = clock.time(lambda t=t, im=image1: t.put(1, im, meta1))
+            full.samples.append(sample)
+            sent_full = result.bytes_sent
+            drop_run(endpoints, run_id)
+        full.note = f"{gb(sent_full)} sent"
+
+        # 3. Delta puts: frozen layers (base: first), then every layer moving (base: frozen).
+        step(state, layout.width, only_last=True)
+        frozen = snapshot_of(state, step=2)
+        step(state, layout.width, only_last=False)
+        moved = snapshot_of(state, step=3)
+        deltas: list[Row] = []
+        for what, base, new in (("4 of 5 layers frozen", first, frozen),
+                                ("one AdamW step of every layer", frozen, moved)):
+            for mode in ("always", "auto"):
+                row = Row(f"peer put, delta ({mode}), {what}", image1.size)
+                kinds, folds = [], []
+                for r in range(repeats):
+                    run_id = f"bench-delta-{mode}-{base.step}-{r}"
+                    with tier(endpoints, run_id, deltas=mode) as t:
+                        t.put(base.step, arena_of(base), peer_meta(base))  # measures the wire
+                        sample, result = clock.time(
+                            lambda t=t, base=base, new=new: t.put(
+                                new.step, arena_of(new), peer_meta(new),
+                                base=(base.step, arena_of(base))))
+                    folds.append(wait_folded(endpoints, run_id, new.step))
+                    row.samples.append(sample)
+                    kinds.append(f"{result.delta_shards}d+{result.full_shards}f "
+                                 f"{gb(result.bytes_sent)}")
+                    drop_run(endpoints, run_id)
+                row.note = f"{'; '.join(kinds)}; folded {median(folds):.3f} s after"
+                deltas.append(row)
+        del first, frozen
         gc.collect()
-        if delta.delta_shards != RECOVERY_SHARDS + 1:
-            print(f"note: the delta put sent only {delta.delta_shards} of "
-                  f"{RECOVERY_SHARDS + 1} shards as deltas ({delta.full_shards} full)")
 
-        # Disk baselines for the second state (also the files the recovery reads).
-        organ_s, torch_s, remote, organ_name, pt = disk_saves(state, second, workdir,
-                                                              args.repeats)
-        organ_bytes = sum(f["bytes"] for f in
-                          json.loads(remote.read_bytes(f"{organ_name}/manifest.json"))
-                          ["files"].values())
-        torch_bytes = pt.stat().st_size
+        # The organ of the last state on the local disk: the recovery baseline.
+        remote = RemoteTier(str(workdir / "remote"))
+        organ_w = Row("organ to local disk (stage_organ + publish: SHA256, fsync)", nbytes)
+        name = ""
+        for _ in range(repeats):
+            if name:
+                remote.remove(name)
+            os.sync()
+            sample, staged = clock.time(lambda: stage_organ(remote, moved, reason="bench"))
+            t0 = time.perf_counter()
+            remote.publish(staged.staging, staged.name)
+            sample.seconds += time.perf_counter() - t0
+            organ_w.samples.append(sample)
+            name = staged.name
 
-        # 2. Recovery rounds.
+        # 4. Recovery of the last state.
+        run_id = "bench-recovery"
+        image3 = arena_of(moved)
+        with tier(endpoints, run_id) as t:
+            put = t.put(moved.step, image3, peer_meta(moved))
+
+        def recover() -> Any:
+            with tier(endpoints, run_id) as fresh:
+                return fresh.fetch(moved.step)
+
         cold_ok = drop_page_cache()
-        rec: dict[str, list[float]] = {k: [] for k in (
-            "peer", "peer_built", "organ_cold", "torch_cold", "organ_warm", "torch_warm")}
-        fetched_bytes = 0
-        arena2 = second.arena.numpy()
-        for r in range(args.repeats):
-            got = peer_recover(endpoints, run_id, 2)
-            if got.rebuilt_shard is not None:
-                raise AssertionError(f"peer fetch rebuilt shard {got.rebuilt_shard} with all "
-                                     "peers up")
-            if r == 0:
-                if not same_bytes(np.frombuffer(got.image, dtype=np.uint8), arena2):
-                    raise AssertionError("peer fetch: the image differs from the saved arena")
-                check_tensors(got.tensors, second, "peer fetch")
-            rec["peer"].append(got.seconds)
-            rec["peer_built"].append(got.construct_seconds)
-            fetched_bytes = got.bytes_fetched
+        fetch = Row(f"peer fetch, N={DATA_SHARDS}, fresh PeerTier, every peer up", image3.size)
+        cold = Row("read_organ from local disk, cold page cache", nbytes)
+        warm = Row("read_organ from local disk, warm page cache", nbytes)
+        for r in range(repeats):
+            sample, got = clock.time(recover)
+            if r == 0 and not same_bytes(np.frombuffer(memoryview(got.image), np.uint8),
+                                         image3):
+                raise AssertionError("peer fetch: the image differs from the saved arena")
+            fetch.samples.append(sample)
+            fetch.note = f"{gb(got.bytes_fetched)} received"
             del got
-            for kind, read in (("organ", lambda: read_organ(remote, organ_name)),
-                               ("torch", lambda: torch.load(pt, weights_only=True))):
-                if cold_ok:
+            for row in (cold, warm):
+                if row is cold and cold_ok:
                     drop_page_cache()
-                seconds, out = timed(read)
-                rec[f"{kind}_cold"].append(seconds)
+                sample, organ = clock.time(lambda: read_organ(remote, name))
                 if r == 0:
-                    if kind == "organ":
-                        check_tensors(out.tensors, second, "read_organ")
-                    else:
-                        check_torch_load(out, state)
-                del out
-                seconds, out = timed(read)
-                rec[f"{kind}_warm"].append(seconds)
-                del out
-
-        # The holder of data shard 0 is SIGKILLed: the fetch rebuilds it from parity.
-        victim = next(d for d in procs if d.endpoint == delta.endpoints[0])
+                    for key, ref in moved.tensors.items():
+                        if key.startswith(("model/", "optimizer/")) and not torch.equal(
+                                organ.tensors[key], ref):
+                            raise AssertionError(f"read_organ: {key} differs")
+                row.samples.append(sample)
+                del organ
+        victim = next(d for d in procs if d.endpoint == put.endpoints[0])
         victim.kill()
-        degraded: list[float] = []
-        for r in range(args.repeats):
-            got = peer_recover(endpoints, run_id, 2)
+        degraded = Row(f"peer fetch, N={DATA_SHARDS}, holder of shard 0 SIGKILLed (parity "
+                       "rebuild)", image3.size)
+        for r in range(repeats):
+            sample, got = clock.time(recover)
             if got.rebuilt_shard != 0:
-                raise AssertionError(f"expected shard 0 rebuilt from parity, got "
-                                     f"{got.rebuilt_shard}")
-            if r == 0:
-                check_tensors(got.tensors, second, "peer fetch with parity rebuild")
-            degraded.append(got.seconds)
-            degraded_bytes = got.bytes_fetched
+                raise AssertionError(f"expected shard 0 rebuilt, got {got.rebuilt_shard}")
+            if r == 0 and not same_bytes(np.frombuffer(memoryview(got.image), np.uint8),
+                                         image3):
+                raise AssertionError("parity rebuild: the image differs from the saved arena")
+            degraded.samples.append(sample)
+            degraded.note = f"{gb(got.bytes_fetched)} received"
             del got
         drop_run([d.endpoint for d in procs if d is not victim], run_id)
 
-    # ------------------------------------------------------------------ tables
-    full3 = median(puts[RECOVERY_SHARDS].seconds)
-    full3_sent = puts[RECOVERY_SHARDS].bytes_sent
-    torch_save = median(torch_s)
+    # ------------------------------------------------------------------ table
+    lo_rate = wire.nbytes / wire.seconds()
     print()
-    print(f"## Saves (state {gb(nbytes)}; times are medians of {args.repeats}; ratio = "
-          "torch.save + fsync seconds / row seconds, above 1 = faster than torch.save)")
+    cache = ("cold = `sync` + `echo 1 > /proc/sys/vm/drop_caches` before each read" if cold_ok
+             else "cold rows NOT cold: drop_caches is not writable here (needs root)")
+    print(f"## Peer tier, one run (medians of {repeats}; {cache})")
     print()
-    print("| save | shards (data + parity) | bytes sent / written | held on peers | "
-          "seconds | GB/s (state / s) | vs torch.save + fsync |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for n, p in puts.items():
-        s = median(p.seconds)
-        print(f"| peer put, full, N={n} | {n} + 1 | {gb(p.bytes_sent)} | {gb(p.held)} | "
-              f"{s:.3f} | {nbytes / s / 1e9:.2f} | {ratio(torch_save, s)} |")
-    print(f"| peer put, delta after one AdamW step, N={RECOVERY_SHARDS} (1 run) | "
-          f"{RECOVERY_SHARDS} + 1 | {gb(delta.bytes_sent)} | {gb(delta_held)} | "
-          f"{delta_s:.3f} | {nbytes / delta_s / 1e9:.2f} | {ratio(torch_save, delta_s)} |")
-    organ = median(organ_s)
-    print(f"| organ to disk (stage_organ + publish: safetensors, SHA256, fsync) | - | "
-          f"{gb(organ_bytes)} | - | {organ:.3f} | {nbytes / organ / 1e9:.2f} | "
-          f"{ratio(torch_save, organ)} |")
-    print(f"| torch.save + fsync (baseline) | - | {gb(torch_bytes)} | - | {torch_save:.3f} | "
-          f"{nbytes / torch_save / 1e9:.2f} | 1.00x |")
+    print("vs loopback = the row's GB/s / loopback TCP GB/s; vs disk = the disk row's seconds / "
+          "the row's seconds (puts: the organ write; fetches: read_organ cold / warm); above 1 "
+          "= faster. CPU = CPU seconds of this process / of the five daemons.")
     print()
-    cache = ("cold = `sync` + `echo 1 > /proc/sys/vm/drop_caches` before each read"
-             if cold_ok else "cold rows NOT cold: /proc/sys/vm/drop_caches is not writable "
-             "here (needs root), so every read found the file in the page cache")
-    print(f"## Recovery into CPU tensors (medians of {args.repeats}; {cache}; ratio = "
-          "torch.load seconds / row seconds in the same cache state, above 1 = faster)")
-    print()
-    print("| recovery | bytes read | seconds | GB/s (state / s) | vs torch.load |")
-    print("|---|---:|---:|---:|---:|")
-    tc, tw = median(rec["torch_cold"]), median(rec["torch_warm"])
-    rows = [
-        (f"peer fetch, N={RECOVERY_SHARDS}, fresh PeerTier (no page cache involved)",
-         fetched_bytes, median(rec["peer"]), tc, "cold"),
-        (f"peer fetch, N={RECOVERY_SHARDS}, holder of shard 0 SIGKILLed (parity rebuild)",
-         degraded_bytes, median(degraded), tc, "cold"),
-        ("read_organ, cold cache", organ_bytes, median(rec["organ_cold"]), tc, "cold"),
-        ("torch.load(weights_only=True), cold cache", torch_bytes, tc, tc, "cold"),
-        ("read_organ, warm cache", organ_bytes, median(rec["organ_warm"]), tw, "warm"),
-        ("torch.load(weights_only=True), warm cache", torch_bytes, tw, tw, "warm"),
-    ]
-    for name, read, s, base, which in rows:
-        print(f"| {name} | {gb(read)} | {s:.3f} | {nbytes / s / 1e9:.2f} | "
-              f"{ratio(base, s)} ({which}) |")
-    print()
+    print("| operation | seconds | GB/s | vs loopback | vs disk | CPU s (client / daemons) | "
+          "notes |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    organ_s, cold_s, warm_s = organ_w.seconds(), cold.seconds(), warm.seconds()
 
-    def secs(values: list[float]) -> str:
-        return ", ".join(f"{v:.3f}" for v in values)
+    def line(row: Row, disk: str) -> None:
+        s = row.seconds()
+        client, peers = row.cpu()
+        print(f"| {row.name} | {s:.3f} | {row.nbytes / s / 1e9:.2f} | "
+              f"{row.nbytes / s / lo_rate:.2f}x | {disk} | {client:.2f} / {peers:.2f} | "
+              f"{row.note} |")
 
-    for n, p in puts.items():
-        print(f"put N={n} (s): {secs(p.seconds)}")
-    print(f"delta put N={RECOVERY_SHARDS}: {delta.delta_shards} delta + {delta.full_shards} full "
-          f"shards, {gb(delta.bytes_sent)} sent ({delta.bytes_sent / full3_sent:.1%} of the "
-          f"{gb(full3_sent)} a full N={RECOVERY_SHARDS} put sends), "
-          f"{delta_s:.3f} s vs full {full3:.3f} s ({ratio(full3, delta_s)}); the daemons "
-          f"finished folding {fold_s:.3f} s after put returned")
-    print(f"organ write (s): {secs(organ_s)}; torch.save + fsync (s): {secs(torch_s)}")
-    print(f"peer fetch (s): {secs(rec['peer'])}, of which PeerTier construction (probes): "
-          f"{secs(rec['peer_built'])}; with parity rebuild (s): {secs(degraded)}")
-    print(f"read_organ cold (s): {secs(rec['organ_cold'])}; warm: {secs(rec['organ_warm'])}")
-    print(f"torch.load cold (s): {secs(rec['torch_cold'])}; warm: {secs(rec['torch_warm'])}")
+    line(wire, "-")
+    line(full, f"{organ_s / full.seconds():.2f}x")
+    for row in deltas:
+        line(row, f"{organ_s / row.seconds():.2f}x")
+    line(organ_w, "1.00x")
+    for row in (fetch, degraded):
+        s = row.seconds()
+        line(row, f"{cold_s / s:.2f}x / {warm_s / s:.2f}x")
+    line(cold, "1.00x")
+    line(warm, "1.00x")
+    print()
+    for row in (wire, full, *deltas, organ_w, fetch, degraded, cold, warm):
+        print(f"{row.name} (s): {secs(row.samples)}")
+    f_s, d_s = fetch.seconds(), degraded.seconds()
+    print()
+    print(f"goals: peer recovery {fetch.nbytes / f_s / lo_rate:.0%} of loopback (>= 80 %); "
+          f"{cold_s / f_s:.2f}x / {warm_s / f_s:.2f}x faster than read_organ cold / warm "
+          f"(>= 2x); one peer lost {d_s / f_s:.2f}x the intact fetch (<= 1.3x); delta puts "
+          f"(auto) {max(r.seconds() for r in deltas if '(auto)' in r.name) / full.seconds():.2f}x"
+          " a full put at most (<= 1x)")
     print(f"load average at end {loadavg()}")
-    print()
-    print(reading(nbytes, puts, delta_s, delta.bytes_sent, fold_s, torch_save, organ,
-                  median(rec["peer"]), median(degraded), median(rec["organ_cold"]), tc,
-                  cold_ok, sha_gbs))
-
-
-def reading(nbytes: int, puts: dict[int, PutStat], delta_s: float, delta_sent: int,
-            fold_s: float, torch_save: float, organ: float, fetch: float, degraded: float,
-            organ_cold: float, torch_cold: float, cold_ok: bool, sha_gbs: float) -> str:
-    """One paragraph on what the numbers say, worded from the numbers themselves."""
-    rates = {n: nbytes / median(p.seconds) / 1e9 for n, p in puts.items()}
-    best = max(rates, key=lambda n: rates[n])
-    worst = min(rates, key=lambda n: rates[n])
-    full3 = median(puts[RECOVERY_SHARDS].seconds)
-
-    def faster(base: float, value: float) -> str:
-        r = base / value
-        return f"{r:.2f}x faster than" if r >= 1 else f"{1 / r:.2f}x slower than"
-
-    full3_sent = puts[RECOVERY_SHARDS].bytes_sent
-    why = (" (one AdamW step changes every weight and both moments, so few XOR bytes are "
-           "zero)" if delta_sent > full3_sent / 2 else "")
-    cold = "a cold page cache" if cold_ok else "the page cache (it could not be dropped)"
-    return (
-        f"Reading: all peers share this host's cores with the client, so a put is bounded by "
-        f"CPU and memory bandwidth, not a link: the client XORs the parity and SHA256-hashes "
-        f"every shard ({sha_gbs:.2f} GB/s per thread here), the kernel copies every byte "
-        f"through loopback, and each daemon hashes what it receives. Full puts ran at "
-        f"{rates[worst]:.2f}-{rates[best]:.2f} GB/s of state (best N={best}, worst "
-        f"N={worst}); N=1 sends and holds 2x the state (the parity is a full copy), N=4 "
-        f"1.25x. The best full put was {faster(torch_save, nbytes / rates[best] / 1e9)} "
-        f"torch.save + fsync to the local disk ({torch_save:.3f} s) and "
-        f"{faster(organ, nbytes / rates[best] / 1e9)} the organ write ({organ:.3f} s). The "
-        f"delta put after one AdamW step sent {delta_sent / full3_sent:.0%} of the bytes of a "
-        f"full N={RECOVERY_SHARDS} put{why} and "
-        f"took {delta_s:.3f} s, {faster(full3, delta_s)} the full N={RECOVERY_SHARDS} put; "
-        f"the daemons needed {fold_s:.3f} s more to fold it. Recovery from the peers took "
-        f"{fetch:.3f} s, {faster(torch_cold, fetch)} torch.load from {cold} "
-        f"({torch_cold:.3f} s) and {faster(organ_cold, fetch)} read_organ ({organ_cold:.3f} s); "
-        f"with one daemon SIGKILLed the parity rebuild made it {degraded:.3f} s "
-        f"({degraded / fetch:.2f}x the intact fetch). On a real cluster the shards would "
-        f"travel over the network in parallel and each peer's hashing would run on its own "
-        f"CPU, so these numbers are the protocol's local cost, not a network's throughput.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--gb", type=float, default=1.0,
                         help="training state size in GB (params + AdamW moments)")
+    parser.add_argument("--quick", action="store_true", help="the same run at --gb 0.1")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                         help=f"a temp dir is made (and removed) under it; default {DEFAULT_DIR}")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="puts per shard count, saves and reads per baseline (at least 1)")
+                        help="repeats of every measurement (at least 1)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.quick:
+        args.gb = 0.1
     # The client's warning on each parity rebuild would interleave with the tables.
     logging.getLogger("ckptpilot").setLevel(logging.ERROR)
     # SIGTERM unwinds like Ctrl-C, so the daemons are stopped and the scratch dir removed.
