@@ -22,6 +22,7 @@ are coded and decoded independently, in parallel, while they are hot in the cach
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -31,10 +32,8 @@ from ckptpilot.codecs.base import (
     CodecParamError,
     LevelThreadsCodec,
     check_positive,
-    gather,
     parallel_map,
     resolve_threads,
-    scatter,
     tensor_bytes,
     word_runs,
 )
@@ -46,6 +45,7 @@ from ckptpilot.codecs.entropy import (
     decompress_into,
     literal_compressor,
 )
+from ckptpilot.codecs.lanes import Workspace, join, rotate_sign, split, words
 from ckptpilot.codecs.registry import register_codec
 from ckptpilot.errors import CheckpointFormatError
 
@@ -140,56 +140,75 @@ def encode_planes(
     threads: int,
     xor_with: np.ndarray | None = None,
     min_ratio: float = MIN_PLANE_RATIO,
+    rotate: bool | None = None,
 ) -> tuple[dict[str, Any], list[Section]]:
     """Header params and sections for the uint8 array ``flat`` of ``itemsize``-byte elements.
 
     With ``xor_with`` (an array like ``flat``) the planes of ``flat XOR xor_with`` are coded;
-    each chunk is XOR-ed just before it is split, while it is in the cache.
+    the XOR is taken block by block as the lanes are split (``lanes.split``). With ``rotate``
+    (2-byte elements or wider) those of the sign-rotated elements (``lanes.rotate_sign``),
+    unless no plane of them pays, and the params say which (``"rotated"``); with ``None``
+    (the default) the params have no ``"rotated"``.
     """
     n = flat.size // itemsize
     sample = _sample(flat.reshape(n, itemsize))
     if xor_with is not None:
         sample = sample ^ _sample(xor_with.reshape(n, itemsize))
-    plans = plan_segments(sample, level, min_ratio)
+    rotated = False
+    if rotate:
+        sample_words = words(np.ascontiguousarray(sample).reshape(-1), itemsize)
+        turned = rotate_sign(sample_words, np.empty_like(sample_words),
+                             np.empty_like(sample_words))
+        plans = plan_segments(turned.view(np.uint8).reshape(-1, itemsize), level, min_ratio)
+        rotated = any(mode == ZSTD for _, _, mode, _ in plans)
+    if not rotated:
+        plans = plan_segments(sample, level, min_ratio)
     chunk = max(1, CHUNK_BYTES // itemsize)
     # Raw lanes become sections, so each gets one (huge-page backed) buffer for the whole
-    # tensor, filled chunk by chunk by the workers; a lane that is the whole element is already
-    # contiguous. Coded planes only pass through a per-chunk scratch buffer.
+    # tensor, filled chunk by chunk by the workers; a lane that is the whole element is
+    # already contiguous (without a base). Coded planes only pass through per-chunk scratch.
+    whole = xor_with is None and [plan[1:3] for plan in plans] == [(itemsize, RAW)]
     buffers = [
-        np.empty(n, f"<u{width}") if mode == RAW and width != itemsize else None
+        np.empty(n, f"<u{width}") if mode == RAW and not whole else None
         for _, width, mode, _ in plans
     ]
 
+    local = threading.local()  # a Workspace per worker thread, reused by its chunks
+
     def encode_chunk(start: int) -> list[Section]:
         stop = min(n, start + chunk)
-        data = flat[start * itemsize : stop * itemsize]
-        if xor_with is not None:
-            data = np.bitwise_xor(data, xor_with[start * itemsize : stop * itemsize])
+        span = slice(start * itemsize, stop * itemsize)
+        if whole:
+            return [Section.of(flat[span])]
+        work = _workspace(local)
+        outs = [
+            buffer[start:stop] if buffer is not None else work.get(f"plane{lo}", 1, stop - start)
+            for (lo, _, _, _), buffer in zip(plans, buffers, strict=True)
+        ]
+        base = None if xor_with is None else xor_with[span]
+        lanes = [(lo, width, out) for (lo, width, _, _), out in zip(plans, outs, strict=True)]
+        split(flat[span], itemsize, lanes, work, base, rotated)
         coders = _plane_coders(level)
-        scratch = None
-        out = []
-        for (lo, width, mode, pick), buffer in zip(plans, buffers, strict=True):
-            if width == itemsize:
-                part = data.view(f"<u{width}")
-            elif mode == RAW:
-                part = buffer[start:stop]
-                gather(data, itemsize, lo, width, part)
-            else:
-                if scratch is None:
-                    scratch = np.empty(stop - start, np.uint8)
-                part = scratch
-                gather(data, itemsize, lo, width, part)
-            out.append(Section.of(part if mode == RAW else coders[pick].compress(part)))
-        return out
+        return [
+            Section.of(out if mode == RAW else coders[pick].compress(out))
+            for (_, _, mode, pick), out in zip(plans, outs, strict=True)
+        ]
 
     per_chunk = parallel_map(encode_chunk, range(0, n, chunk), threads)
-    params = {"chunk": chunk, "segments": [[lo, width, mode] for lo, width, mode, _ in plans]}
+    params: dict[str, Any] = {
+        "chunk": chunk, "segments": [[lo, width, mode] for lo, width, mode, _ in plans]
+    }
+    if rotate is not None:
+        params["rotated"] = rotated
     return params, [section for sections in per_chunk for section in sections]
 
 
-def decode_planes(frame: Frame, threads: int, xor_with: np.ndarray | None = None) -> np.ndarray:
-    """Rebuild the raw bytes from a frame written by :func:`encode_planes` (XOR-ed with
-    ``xor_with`` chunk by chunk, while in the cache, when it is given)."""
+def decode_planes(
+    frame: Frame, threads: int, xor_with: np.ndarray | None = None, rotated: bool = False
+) -> np.ndarray:
+    """Rebuild the raw bytes from a frame written by :func:`encode_planes` (rotated back when
+    its planes are of sign-rotated elements, ``rotated``; then XOR-ed with ``xor_with`` block
+    by block, while in the cache, when it is given)."""
     itemsize, n = frame.itemsize, frame.numel
     chunk = frame.param("chunk", int, lo=1)
     segments = _check_segments(frame, frame.param("segments", list), itemsize)
@@ -201,62 +220,39 @@ def decode_planes(frame: Frame, threads: int, xor_with: np.ndarray | None = None
         for _, width, mode in segments
     ])
     out = np.empty(frame.nbytes, np.uint8)
-    # A zstd plane inside the element is decompressed into a per-chunk scratch of its own (pairs
-    # of neighbouring planes are merged before they are scattered).
-    coded = sum(mode == ZSTD and width != itemsize for _, width, mode in segments)
+    local = threading.local()  # a Workspace per worker thread, reused by its chunks
 
     def decode_chunk(index: int) -> None:
         start = index * chunk
         stop = min(n, start + chunk)
         span = out[start * itemsize : stop * itemsize]
-        scratch = np.empty((coded, stop - start), np.uint8) if coded else None
         base = None if xor_with is None else xor_with[start * itemsize : stop * itemsize]
-        parts = []
-        planes = iter(scratch if scratch is not None else ())
+        work = _workspace(local)
+        lanes = []
         for s, (lo, width, mode) in enumerate(segments):
             number = index * len(segments) + s
             data = frame.section(number)
-            if mode == ZSTD:
-                dest = span if width == itemsize else next(planes)
-                decompress_into(data, dest, f"{frame.codec} blob, section {number}")
-                parts.append((lo, width, dest))
-            else:  # its size was checked before anything was allocated
-                parts.append((lo, width, np.frombuffer(data, f"<u{width}")))
-        for lo, width, part in _pair_bytes(parts, itemsize):
-            if width != itemsize:
-                scatter(span, itemsize, lo, width, part, base)
-            elif base is not None:
-                np.bitwise_xor(base, part.view(np.uint8), out=span)
-            elif part is not span:
-                span[...] = part.view(np.uint8)
+            if mode == RAW:  # its size was checked before anything was allocated
+                lanes.append((lo, width, np.frombuffer(data, f"<u{width}")))
+                continue
+            # A zstd plane that is the whole (one-byte) element needs no join without a base.
+            dest = span if width == itemsize and base is None else work.get(
+                f"plane{lo}", 1, stop - start)
+            decompress_into(data, dest, f"{frame.codec} blob, section {number}")
+            lanes.append((lo, width, dest))
+        if len(lanes) == 1 and lanes[0][2] is span:
+            return
+        join(span, itemsize, lanes, work, base, rotated)
 
     parallel_map(decode_chunk, range(n_chunks), threads)
     return out
 
 
-def _pair_bytes(
-    parts: list[tuple[int, int, np.ndarray]], itemsize: int
-) -> list[tuple[int, int, np.ndarray]]:
-    """Merge neighbouring one-byte lanes ``(2k, 2k + 1)`` into two-byte lanes.
-
-    Scattering a lane into 2- or 4-byte words costs one pass over the words whatever its
-    width, so merging the two bytes first (a pass over half as many bytes) saves a word pass.
-    """
-    if itemsize not in (2, 4):
-        return parts
-    merged = []
-    i = 0
-    while i < len(parts):
-        lo, width, part = parts[i]
-        if width == 1 and lo % 2 == 0 and i + 1 < len(parts) and parts[i + 1][1] == 1:
-            pair = np.left_shift(parts[i + 1][2], np.uint16(8), dtype=np.uint16)
-            np.bitwise_or(pair, part, out=pair, casting="unsafe")
-            merged.append((lo, 2, pair))
-            i += 2
-        else:
-            merged.append((lo, width, part))
-            i += 1
-    return merged
+def _workspace(local: threading.local) -> Workspace:
+    work = getattr(local, "work", None)
+    if work is None:
+        work = local.work = Workspace()
+    return work
 
 
 def _check_segments(frame: Frame, raw: list[Any], itemsize: int) -> list[Segment]:
