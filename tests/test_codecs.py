@@ -106,6 +106,7 @@ CODECS = [
     ("zstd", {"level": 5, "threads": 2}),
     ("byteplane", {"threads": 2}),
     ("byteplane", {"level": 3, "threads": 1}),
+    ("expplane", {"threads": 2}),
     ("prefix_index", {"threads": 2}),
     ("prefix_index", {"entropy": False, "groups": 3}),
     ("prefix_index", {"prefix_bits": 16, "groups": 2}),
@@ -168,6 +169,26 @@ def test_byteplane_codes_only_the_planes_that_pay() -> None:
     header = blob_info(get_codec("byteplane").encode(torch.randint(0, 256, (50_000,))))
     modes = [mode for _, _, mode in header.params["segments"]]
     assert modes[0] == "raw" and set(modes[1:]) == {"zstd"}  # int64 high bytes are zeros
+
+
+def test_expplane_codes_whole_exponents_and_keeps_byteplanes_layout_otherwise() -> None:
+    torch.manual_seed(0)
+    weights = torch.randn(100_000) * 0.02
+    for dtype in (torch.float32, torch.bfloat16):
+        tensor = weights.to(dtype)
+        blob = get_codec("expplane").encode(tensor)
+        assert blob_info(blob).params["rotated"] is True
+        assert len(blob) < len(get_codec("byteplane").encode(tensor))  # the sign goes raw
+        assert_same(decode_blob(blob), tensor)
+    squares = (weights**2).to(torch.bfloat16)  # the sign bit never set: 7 noise bits below
+    header = blob_info(get_codec("expplane").encode(squares))
+    assert [mode for _, _, mode in header.params["segments"]] == ["zstd", "zstd"]
+    noise = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 200_000, np.uint8))
+    for tensor in (torch.arange(50_000), noise.view(torch.float32)):  # integers; nothing pays
+        header = blob_info(get_codec("expplane").encode(tensor))
+        assert header.params["rotated"] is False
+        plain = blob_info(get_codec("byteplane").encode(tensor))
+        assert header.params["segments"] == plain.params["segments"]
 
 
 def plane_data(rng: np.random.Generator, n: int, skewed: bool) -> np.ndarray:
@@ -357,7 +378,9 @@ def test_unknown_names_and_bad_params_are_value_errors_with_a_message() -> None:
     with pytest.raises(UnknownCodecError, match=r"'lz5'.*valid codecs: auto, byteplane") as err:
         get_codec("lz5")
     assert isinstance(err.value, ValueError)
-    assert codec_names() == ("auto", "byteplane", "prefix_index", "raw", "xor_delta", "zstd")
+    assert codec_names() == (
+        "auto", "byteplane", "expplane", "prefix_index", "raw", "xor_delta", "zstd"
+    )
     bad = [
         ("byteplane", {"lvl": 1}, "unknown parameter.*'lvl'.*valid parameters: level, threads"),
         ("raw", {"level": 1}, r"valid parameters: \(none\)"),

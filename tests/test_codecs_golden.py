@@ -3,7 +3,10 @@
 The tests only read ``tests/fixtures/codecs/`` and compare with tensors rebuilt from integer
 arithmetic (no RNG or float library whose output could drift between versions). To add
 fixtures for a new codec or format version, run ``python tests/test_codecs_golden.py``; it
-writes only the files that are missing and never rewrites an existing one.
+writes only the files that are missing and never rewrites an existing one. The version-1
+blobs of codecs newer than version 2 (``expplane``) were written by the same code with the
+version-1 section table (``blob.FORMAT_VERSION`` set to 1), so that every codec is read in
+both versions here and in ``test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -96,7 +99,15 @@ def golden_cases() -> dict[str, tuple[Codec, torch.Tensor, torch.Tensor | None]]
         ),
         "prefix_index_fallback": (get_codec("prefix_index"), counters(50).double(), None),
         "auto": (get_codec("auto", bandwidth_bytes_per_s=1e6), counters(3000), None),
+        "expplane": (get_codec("expplane"), trained_fp32(1000, 9).reshape(10, 100), None),
+        "expplane_bf16": (get_codec("expplane"), non_negative_bf16(3000, 10), None),
     }
+
+
+def non_negative_bf16(n: int, seed: int) -> torch.Tensor:
+    """Adam ``exp_avg_sq``-like bfloat16: weight-like exponents, the sign bit always clear."""
+    halves = (trained_fp32(n, seed).view(torch.int32) >> 16).to(torch.int16) & 0x7FFF
+    return halves.view(torch.bfloat16)
 
 
 def golden_container_state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -147,6 +158,8 @@ def test_golden_blobs_cover_the_layouts_they_claim(version: int) -> None:
     assert params("prefix_index")["mode"] == "table" and params("prefix_index")["entropy"]
     assert params("prefix_index_fixed")["entropy"] is False
     assert params("prefix_index_fallback")["mode"] == "byteplane"
+    assert params("expplane")["rotated"] and params("expplane_bf16")["rotated"]
+    assert [mode for _, _, mode in params("expplane_bf16")["segments"]] == ["zstd", "zstd"]
 
 
 @pytest.mark.parametrize("version", BLOB_VERSIONS)
@@ -232,7 +245,7 @@ def test_encoding_today_reproduces_the_pinned_bytes(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["byteplane", "byteplane_bf16", "byteplane_chunked", "raw",
                                   "zstd", "prefix_index", "prefix_index_fixed",
-                                  "prefix_index_fallback"])
+                                  "prefix_index_fallback", "expplane", "expplane_bf16"])
 def test_encoding_today_reproduces_the_golden_bytes(name: str) -> None:
     # The golden blobs whose coder choices have not changed since they were written (the
     # xor_delta and container ones predate the literals profile).

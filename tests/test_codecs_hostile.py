@@ -116,6 +116,7 @@ BASE = TENSOR + 1e-3
     ("raw", r"section 0 has 16384 bytes, which cannot be the stored form of 4398046511104"),
     ("zstd", r"section 0 has \d+ bytes, which cannot be the zstd-coded form of 4398046511104"),
     ("byteplane", r"expected 1099511627776 payload sections|cannot be the"),
+    ("expplane", r"expected 1099511627776 payload sections|cannot be the"),
     ("xor_delta", r"xor_delta blob holds a tensor of shape \(1099511627776,\).*base has shape"),
     ("prefix_index", r"expected \d+ payload sections"),
 ])
@@ -124,7 +125,7 @@ def test_a_forged_four_tib_shape_is_refused_before_anything_is_allocated(
 ) -> None:
     blob = encoded(name, TENSOR, BASE if name == "xor_delta" else None)
     blob.header["shape"], blob.header["nbytes"] = [TiB], 4 * TiB
-    if name == "byteplane":  # one chunk of 4 TiB: the section count then fits
+    if name in ("byteplane", "expplane"):  # one chunk of 4 TiB: the section count then fits
         blob.header["params"]["chunk"] = TiB
     peak = refused(lambda: decode_blob(blob.build(), BASE, threads=1), match)
     assert peak < 4 * MiB
@@ -210,6 +211,19 @@ def test_plane_segments_must_be_integers(segment: list[Any]) -> None:
     blob = encoded("byteplane", TENSOR)
     blob.header["params"]["segments"] = [segment]
     refused(lambda: decode_blob(blob.build()), "bad plane segment")
+
+
+@pytest.mark.parametrize(("tensor", "rotated", "match"), [
+    (torch.arange(1000, dtype=torch.int32), True, "elements of torch.int32 are never sign-"),
+    (TENSOR, 1, "bad header parameter rotated=1"),
+    (TENSOR, None, "bad header parameter rotated=None"),
+])
+def test_expplane_rotation_must_be_a_flag_and_only_on_floats(
+    tensor: torch.Tensor, rotated: object, match: str
+) -> None:
+    blob = encoded("expplane", tensor)
+    blob.header["params"]["rotated"] = rotated
+    refused(lambda: decode_blob(blob.build()), match)
 
 
 def test_a_delta_against_a_base_of_another_shape_is_a_format_error() -> None:

@@ -1,7 +1,7 @@
 """Lossless tensor codecs and the container format (SPEC §5).
 
-Public surface: :func:`get_codec` (``raw``, ``zstd``, ``byteplane``, ``xor_delta``,
-``prefix_index``, ``auto``), the :class:`Codec` interface, :func:`decode_blob` /
+Public surface: :func:`get_codec` (``raw``, ``zstd``, ``byteplane``, ``expplane``,
+``xor_delta``, ``prefix_index``, ``auto``), the :class:`Codec` interface, :func:`decode_blob` /
 :func:`blob_info` for blobs of any codec, and the container functions. Importing this package
 registers every codec. Must not: import the pilot, tiers or storage (the data path goes
 codecs -> tiers, never back).
@@ -10,6 +10,7 @@ codecs -> tiers, never back).
 from ckptpilot.codecs import (  # noqa: F401  (importing a codec module registers it)
     auto,
     byteplane,
+    expplane,
     prefix_index,
     raw,
     xor_delta,

@@ -1,8 +1,9 @@
 """The codec interface and the helpers every codec shares (SPEC §5).
 
 Owns: the :class:`Codec` contract (encode/decode, threading, ``config``), :class:`FramedCodec`
-(codecs that write their own blob), tensor <-> little-endian byte views, element byte lanes,
-the per-call worker pool and parameter validation. Must not: know any codec's payload, do I/O,
+(codecs that write their own blob), tensor <-> little-endian byte views, strided views of
+element byte lanes (the fast split and join are ``lanes``), the per-call worker pool and
+parameter validation. Must not: know any codec's payload, do I/O,
 or keep state between calls.
 """
 
@@ -65,52 +66,6 @@ def lane(flat: np.ndarray, itemsize: int, lo: int, width: int) -> np.ndarray:
     """Bytes ``[lo, lo + width)`` of every element of the flat uint8 array, as a strided array
     of little-endian ``width``-byte words (``width`` in 1, 2, 4, 8 and ``lo % width == 0``)."""
     return flat.view(f"<u{width}").reshape(-1, itemsize // width)[:, lo // width]
-
-
-def gather(flat: np.ndarray, itemsize: int, lo: int, width: int, out: np.ndarray) -> None:
-    """``out[...] = lane(flat, itemsize, lo, width)``, into the contiguous ``out``.
-
-    For 2- and 4-byte elements as a shift of the whole words with a truncating store: NumPy
-    vectorises that (SIMD) and not its byte-strided copy, and the lane split sits on the
-    encode path of every plane (bench/RESULTS.md, codecs.py, interpretation).
-    """
-    if itemsize in (2, 4):
-        words = flat.view(f"<u{itemsize}")
-        np.right_shift(words, words.dtype.type(8 * lo), out=out, casting="unsafe")
-    else:
-        np.copyto(out, lane(flat, itemsize, lo, width))
-
-
-def scatter(
-    flat: np.ndarray,
-    itemsize: int,
-    lo: int,
-    width: int,
-    part: np.ndarray,
-    xor_with: np.ndarray | None = None,
-) -> None:
-    """``lane(flat, itemsize, lo, width)[...] = part``; lanes must come in order from ``lo = 0``.
-
-    For 2- and 4-byte elements the first lane is stored zero-extended over whole words, XOR-ed
-    with ``xor_with`` (an array like ``flat``) when given, and the others are XOR-ed in,
-    shifted (their bits are zero until then, so XOR sets them, on top of the base's):
-    vectorised like :func:`gather`, where byte-strided stores are not (bench/RESULTS.md,
-    "Figures formerly quoted in code"). Other widths store the lanes strided and apply
-    ``xor_with`` with the last one.
-    """
-    if itemsize in (2, 4):
-        words = flat.view(f"<u{itemsize}")
-        if lo == 0 and xor_with is not None:
-            np.bitwise_xor(xor_with.view(words.dtype), part, out=words, casting="unsafe")
-        elif lo == 0:
-            np.copyto(words, part, casting="unsafe")
-        else:
-            shifted = np.left_shift(part, words.dtype.type(8 * lo), dtype=words.dtype)
-            np.bitwise_xor(words, shifted, out=words)
-        return
-    lane(flat, itemsize, lo, width)[...] = part
-    if xor_with is not None and lo + width == itemsize:
-        np.bitwise_xor(flat, xor_with, out=flat)
 
 
 def word_runs(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:

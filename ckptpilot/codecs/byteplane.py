@@ -10,7 +10,7 @@ decision is made per plane on a sample (16 stripes spread over the tensor, 16 Ki
 all): a plane is zstd-coded (literals or match profile, see ``entropy``) when the sample shrinks
 by more than ``min_plane_ratio``, else it is copied. Neighbouring raw planes are kept together
 as aligned little-endian words of 2, 4 or 8 bytes, so splitting them off costs one pass instead
-of one per byte; the passes are shifts of whole words (see ``base.gather`` / ``base.scatter``).
+of one per byte; splitting and joining are whole-word passes over cache-sized blocks (``lanes``).
 
 Header params: ``{"chunk": C, "segments": [[lo, width, mode], ...]}``. The element bytes
 ``[lo, lo + width)`` form a segment; ``mode`` is ``"zstd"`` (width 1, one byte plane) or
@@ -18,6 +18,7 @@ Header params: ``{"chunk": C, "segments": [[lo, width, mode], ...]}``. The eleme
 Elements are cut into chunks of C elements; sections are chunk-major: for each chunk, for each
 segment, either the chunk's segment words (raw) or one zstd frame of its plane bytes. Chunks
 are coded and decoded independently, in parallel, while they are hot in the cache.
+``expplane`` adds ``"rotated"`` to these params (``encode_planes``' ``rotate``).
 """
 
 from __future__ import annotations
