@@ -4,10 +4,12 @@ frames, SIGTERM, and placement."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -98,24 +100,34 @@ def ping(endpoint: str) -> dict[str, int]:
     return call(endpoint, Op.PING, {}, timeout_seconds=5).header
 
 
-def one_shard_header(run: str, ckpt: int, shard: bytes, *, lease_seconds: float = 60.0,
-                     digest: str | None = None) -> dict[str, object]:
-    """The header of a checkpoint stored as one shard without parity, meta ``{}``."""
-    digest = digest or digest_of(shard)
+def one_shard_header(run: str, ckpt: int, shard: bytes, *, lease_seconds: float = 60.0
+                     ) -> dict[str, object]:
+    """The PUT header of a checkpoint stored as one shard without parity, meta ``{}``."""
     return {"run_id": run, "ckpt_id": ckpt, "shard_index": 0, "shard_count": 1,
-            "data_shards": 1, "kind": "data", "digest": digest, "stripe": [digest],
-            "image_len": len(shard), "shard_size": len(shard), "meta_len": 2,
-            "meta_digest": digest_of(b"{}"), "lease_seconds": lease_seconds}
+            "data_shards": 1, "kind": "data", "image_len": len(shard),
+            "shard_size": len(shard), "meta_len": 2, "meta_digest": digest_of(b"{}"),
+            "lease_seconds": lease_seconds}
 
 
-def raw_put(endpoint: str, run: str, ckpt: int, body: bytes, *, commit: bool = False,
+def commit(endpoint: str, run: str, ckpt: int, shard: bytes, lease_seconds: float = 60.0
+           ) -> None:
+    call(endpoint, Op.COMMIT, {"run_id": run, "ckpt_id": ckpt, "lease_seconds": lease_seconds,
+                               "stripe": [digest_of(shard)]}, timeout_seconds=10)
+
+
+def raw_put(endpoint: str, run: str, ckpt: int, body: bytes, *, commit_it: bool = False,
             lease_seconds: float = 60.0) -> None:
     """One single-shard checkpoint (no parity) straight through the protocol."""
     header = one_shard_header(run, ckpt, body, lease_seconds=lease_seconds)
     call(endpoint, Op.PUT, header, [b"{}", body], timeout_seconds=10)
-    if commit:
-        call(endpoint, Op.COMMIT, {"run_id": run, "ckpt_id": ckpt,
-                                   "lease_seconds": lease_seconds}, timeout_seconds=10)
+    if commit_it:
+        commit(endpoint, run, ckpt, body, lease_seconds)
+
+
+def put_frame(header: dict[str, object], meta: bytes, body: bytes, trailer: bytes) -> bytes:
+    """A PUT frame with the given trailer (a real sender digests ``body`` into it)."""
+    return encode_head(Op.PUT, header, len(meta) + len(body) + len(trailer)) + meta + body + \
+        trailer
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -238,16 +250,20 @@ def test_daemon_folds_verifies_and_supersedes(small: Daemon) -> None:
     base = weights(2048, seed=9)
     new = base.copy()
     new[::5] += np.float32(0.5)
-    with pytest.raises(PeerRequestError, match="digest mismatch on the received shard 0"):
-        call(ep, Op.PUT, one_shard_header(run, 1, base.tobytes(), digest="cd" * 16),
-             [b"{}", base.tobytes()], timeout_seconds=5)
-    raw_put(ep, run, 1, base.tobytes(), commit=True)
+    raw_put(ep, run, 1, base.tobytes(), commit_it=True)
     blob = get_codec("xor_delta").encode(shard_tensor(new.view(np.uint8)),
                                          base=shard_tensor(base.view(np.uint8)))
     delta = {**one_shard_header(run, 2, new.tobytes()), "base_id": 1,
-             "delta_digest": digest_of(blob)}
+             "digest": digest_of(new.tobytes()), "delta_digest": digest_of(blob)}
+    damaged = bytearray(blob)
+    damaged[len(damaged) // 2] ^= 0x10
+    with pytest.raises(PeerRequestError, match=r"digest mismatch on the received delta of "
+                                               r"shard 0 of checkpoint 2 \(expected .*\); "
+                                               r"resend it") as info:
+        call(ep, Op.DELTA, delta, [b"{}", damaged], timeout_seconds=5)
+    assert info.value.code == "digest_mismatch"
     assert call(ep, Op.DELTA, delta, [b"{}", blob], timeout_seconds=5).header["folding"]
-    call(ep, Op.COMMIT, {"run_id": run, "ckpt_id": 2, "lease_seconds": 60}, timeout_seconds=5)
+    commit(ep, run, 2, new.tobytes())
     got = call(ep, Op.GET, {"run_id": run, "ckpt_id": 2, "shard_index": 0}, timeout_seconds=5,
                max_reply_payload=1 << 20)
     assert bytes(got.payload) == new.tobytes() and got.meta == b"{}"
@@ -261,7 +277,7 @@ def test_daemon_folds_verifies_and_supersedes(small: Daemon) -> None:
     newer = new * np.float32(2)
     blob = get_codec("xor_delta").encode(shard_tensor(newer.view(np.uint8)),
                                          base=shard_tensor(new.view(np.uint8)))
-    lying = {**one_shard_header(run, 3, newer.tobytes(), digest="ab" * 16), "base_id": 2,
+    lying = {**one_shard_header(run, 3, newer.tobytes()), "base_id": 2, "digest": "ab" * 16,
              "delta_digest": digest_of(blob)}
     call(ep, Op.DELTA, lying, [b"{}", blob], timeout_seconds=5)  # accepted, folded later
     with pytest.raises(PeerRequestError, match="fold failed: digest mismatch") as info:
@@ -292,17 +308,17 @@ def test_lru_eviction_never_evicts_the_newest_committed(small: Daemon) -> None:
     node = small
     ep = node.endpoint
     shard = bytes(MiB)
-    raw_put(ep, "a", 1, shard, commit=True)
+    raw_put(ep, "a", 1, shard, commit_it=True)
     raw_put(ep, "b", 1, shard)  # uncommitted: evictable
     raw_put(ep, "e", 1, shard)  # uncommitted: evictable
     call(ep, Op.GET, {"run_id": "b", "ckpt_id": 1, "shard_index": 0}, timeout_seconds=5,
          max_reply_payload=2 * MiB)  # b is now used more recently than e
-    raw_put(ep, "f", 1, shard, commit=True)  # 4 MiB > 3.5 MiB: e goes
+    raw_put(ep, "f", 1, shard, commit_it=True)  # 4 MiB > 3.5 MiB: e goes
     held = {run: call(ep, Op.LIST, {"run_id": run}, timeout_seconds=5).header["shards"]
             for run in "abef"}
     assert [bool(held[r]) for r in "abef"] == [True, True, False, True]
     assert "evicted run e checkpoint 1" in node.log()
-    raw_put(ep, "b", 2, shard, commit=True)  # evicts b's uncommitted checkpoint 1
+    raw_put(ep, "b", 2, shard, commit_it=True)  # evicts b's uncommitted checkpoint 1
     with pytest.raises(PeerRequestError, match="out of memory") as info:
         raw_put(ep, "g", 1, shard)  # a, b, f are each their run's newest committed
     assert info.value.code == "out_of_memory"
@@ -317,11 +333,9 @@ def test_lru_eviction_never_evicts_the_newest_committed(small: Daemon) -> None:
 # ---------------------------------------------------------------- hostile frames, SIGTERM
 
 def _put_head(payload_len: int) -> bytes:
-    digest = "0" * 32
     header = {"run_id": "x", "ckpt_id": 1, "shard_index": 0, "shard_count": 1,
-              "data_shards": 1, "kind": "data", "digest": digest, "stripe": [digest],
-              "image_len": 8, "shard_size": 8, "meta_len": 0, "meta_digest": digest,
-              "lease_seconds": 1.0}
+              "data_shards": 1, "kind": "data", "image_len": 8, "shard_size": 8, "meta_len": 0,
+              "meta_digest": "0" * 32, "lease_seconds": 1.0}
     raw = json.dumps(header).encode()
     return PRELUDE.pack(b"CKPP", VERSION, int(Op.PUT), len(raw), payload_len) + raw
 
@@ -333,7 +347,7 @@ def _list_frame(run_id: bytes) -> bytes:
 
 @pytest.mark.parametrize(("kind", "data", "reason"), [
     ("garbage", np.random.default_rng(8).bytes(4096), "bad magic"),
-    ("truncated", _put_head(8)[:30], "truncated frame"),
+    ("truncated", _put_head(8 + 16)[:30], "truncated frame"),
     ("oversized", _put_head(2**40), "exceeds this side's limit"),
     ("huge-integer", _list_frame(b"1" + b"0" * 5000), "not valid UTF-8 JSON"),
     ("unquotable", _list_frame(json.dumps("\U0001F600" * 6000, ensure_ascii=False).encode()),
@@ -444,12 +458,14 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_zero(small: Daemon) ->
     header = one_shard_header("t", 1, body, lease_seconds=5.0)
     with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock, \
             socket.create_connection(("127.0.0.1", node.port), timeout=10):
-        sock.sendall(encode_head(Op.PUT, header, len(meta) + len(body)) + meta + body[:100])
+        frame = put_frame(header, meta, body, bytes.fromhex(digest_of(body)))
+        cut = len(frame) - len(body) - 16 + 100
+        sock.sendall(frame[:cut])
         time.sleep(0.3)
         assert node.proc is not None
         node.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        sock.sendall(body[100:])
+        sock.sendall(frame[cut:])
         reply = read_frame(sock, max_payload=0)
         assert reply is not None and reply.op is Op.OK
         assert node.proc.wait(10) == 0
@@ -513,7 +529,7 @@ def test_placement_against_real_daemons(cluster: list[Daemon]) -> None:
     p = Placement(eps, probe_interval=60, timeout_seconds=0.5, rtt_tie_seconds=10.0)
     p.start()
     try:
-        raw_put(eps[0], "fat", 1, bytes(16 * MiB), commit=True)
+        raw_put(eps[0], "fat", 1, bytes(16 * MiB), commit_it=True)
         p.probe_now()
         assert eps[0] not in p.choose(4)  # every RTT ties here: memory decides
         assert p.choose(5)[-1] == eps[0]
@@ -570,6 +586,140 @@ def test_cli_rejects_bad_options_in_one_line(cluster: list[Daemon],
     err = capsys.readouterr().err
     assert err.startswith("ckptpilot peer serve: error: cannot listen on 127.0.0.1:")
     assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- integrity on the wire
+
+class FlipProxy:
+    """A TCP forwarder in front of one daemon that, once armed, flips one byte of the traffic
+    in one direction: the ``at``-th byte (counted over its connections from the arming), as
+    a bad NIC, switch or memory on the path would. Threads only; ``close`` stops it."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.lock = threading.Lock()
+        self.armed: tuple[str, int] | None = None  # (direction, bytes left before the flip)
+        self.flipped = 0
+        self.socks: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def arm(self, direction: str, at: int) -> None:
+        with self.lock:
+            self.armed = (direction, at)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            host, port = self.target.rsplit(":", 1)
+            server = socket.create_connection((host, int(port)))
+            with self.lock:
+                self.socks += [client, server]
+            for src, dst, direction in ((client, server, "to-peer"),
+                                        (server, client, "to-client")):
+                thread = threading.Thread(target=self._pump, args=(src, dst, direction),
+                                          daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+        try:
+            while data := bytearray(src.recv(1 << 16)):
+                with self.lock:
+                    if self.armed is not None and self.armed[0] == direction:
+                        left = self.armed[1]
+                        if left < len(data):
+                            data[left] ^= 0x01
+                            self.armed, self.flipped = None, self.flipped + 1
+                        else:
+                            self.armed = (direction, left - len(data))
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+        with self.lock:
+            socks = list(self.socks)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+@contextmanager
+def proxied(nodes: list[Daemon]) -> Iterator[list[FlipProxy]]:
+    proxies = [FlipProxy(d.endpoint) for d in nodes]
+    try:
+        yield proxies
+    finally:
+        for p in proxies:
+            p.close()
+
+
+def test_a_byte_flipped_on_the_wire_to_the_client_is_named_and_rebuilt_from_parity(
+        cluster: list[Daemon], caplog: pytest.LogCaptureFixture) -> None:
+    image = weights(250_000, seed=15).tobytes()  # shards of 333 KB
+    with proxied(cluster[:4]) as proxies, PeerTier(
+            [p.endpoint for p in proxies], run_id="wire-get", probe_interval=0.2,
+            timeout_seconds=5.0, lease_seconds=60.0) as t:
+        put = t.put(1, image, b"m")
+        bad = next(p for p in proxies if p.endpoint == put.endpoints[1])
+        bad.arm("to-client", 64 << 10)  # past the LIST and GET headers: in shard 1's bytes
+        with caplog.at_level(logging.WARNING, logger="ckptpilot.tiers.peer.client"):
+            got = t.fetch(1)
+        assert bad.flipped == 1
+        assert got.rebuilt_shard == 1 and bytes(got.image) == image
+    assert re.search(rf"rebuilt shard 1 of checkpoint 1 from parity \(@{bad.endpoint}: digest "
+                     r"mismatch \(shard 1 of checkpoint 1: expected '[0-9a-f]{32}', received "
+                     r"[0-9a-f]{32}\)\)", caplog.text)
+
+
+def test_a_byte_flipped_on_the_wire_to_a_peer_is_refused_by_it_and_named(
+        cluster: list[Daemon]) -> None:
+    """Four peers for four shards: the one whose PUT was damaged cannot be re-placed."""
+    image = weights(250_000, seed=16).tobytes()
+    with proxied(cluster[:4]) as proxies, PeerTier(
+            [p.endpoint for p in proxies], run_id="wire-put", probe_interval=0.2,
+            timeout_seconds=5.0, lease_seconds=60.0, deltas="never") as t:
+        proxies[2].arm("to-peer", 64 << 10)
+        with pytest.raises(PeerUnavailable) as info:
+            t.put(1, image, b"m")
+        assert proxies[2].flipped == 1
+        (index, reason), = info.value.failures.items()
+        assert re.match(rf"@{proxies[2].endpoint}: digest mismatch on the received shard "
+                        rf"{index} of checkpoint 1 \(expected [0-9a-f]{{32}}, got "
+                        r"[0-9a-f]{32}\); resend it; need 1 peers but", reason), reason
+        again = t.put(2, image, b"m")  # the same peers take the next put, undamaged
+        assert bytes(t.fetch().image) == image and sorted(again.endpoints) == sorted(
+            p.endpoint for p in proxies)
+
+
+def test_a_damaged_put_frame_gets_an_err_and_the_connection_carries_on(small: Daemon) -> None:
+    body = bytes(range(256)) * 16
+    header = one_shard_header("flip", 1, body)
+    damaged = bytearray(body)
+    damaged[1000] ^= 0x80
+    with socket.create_connection(("127.0.0.1", small.port), timeout=10) as sock:
+        sock.sendall(put_frame(header, b"{}", bytes(damaged), bytes.fromhex(digest_of(body))))
+        reply = read_frame(sock, max_payload=0)
+        assert reply is not None and reply.op is Op.ERR
+        assert reply.header["code"] == "digest_mismatch"
+        assert reply.header["error"] == (
+            f"digest mismatch on the received shard 0 of checkpoint 1 (expected "
+            f"{digest_of(body)}, got {digest_of(bytes(damaged))}); resend it")
+        sock.sendall(encode_head(Op.PING, {}, 0))
+        pong = read_frame(sock, max_payload=0)
+        assert pong is not None and pong.op is Op.OK  # still in step
+    assert ping(small.endpoint)["mem_used"] == 0  # nothing kept, the reservation released
 
 
 # ------------------------------------------- losing peers (last: nothing restarts after them)

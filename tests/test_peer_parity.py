@@ -1,5 +1,6 @@
-"""Striping and XOR parity (SPEC §6): split, shards received in place, and any one lost shard
-is rebuilt exactly, in place, with the digest the put computed."""
+"""Striping and XOR parity (SPEC §6): shards are views of the image, the parity is produced a
+chunk at a time, fetched shards land in place, and any one lost shard is rebuilt exactly, in
+place, with the digest its put sent."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from ckptpilot.tiers.peer.digest import digest_of
+from ckptpilot.tiers.peer.digest import digest_of, digest_of_pieces
 from ckptpilot.tiers.peer.parity import (
-    ShardPlace,
-    parity,
-    parity_and_digests,
-    rebuild,
+    CHUNK_BYTES,
+    Shard,
+    as_bytes,
+    parity_chunks,
+    parity_of,
     shard_size,
     split,
-    xor_of,
 )
 
 
@@ -34,89 +35,92 @@ def test_shard_size_rejects_bad_counts() -> None:
         shard_size(10, 0)
 
 
-def receive(shards: list[np.ndarray], image_len: int, skip: int | None = None
-            ) -> tuple[np.ndarray, list[ShardPlace]]:
+def padded(data: bytes, n: int) -> list[bytes]:
+    """The reference striping: zero padded to n shards of shard_size bytes."""
+    size = shard_size(len(data), n)
+    whole = data + bytes(size * n - len(data))
+    return [whole[i * size:(i + 1) * size] for i in range(n)]
+
+
+def xor(parts: list[bytes]) -> bytes:
+    out = np.zeros(len(parts[0]), dtype=np.uint8)
+    for p in parts:
+        out ^= np.frombuffer(p, dtype=np.uint8)
+    return out.tobytes()
+
+
+def receive(shards: list[bytes], image_len: int, skip: int) -> tuple[np.ndarray, list[Shard]]:
     """What a fetch does: every shard but ``skip`` written through its place's views into
-    one image of ``image_len`` bytes (the padding past its end into the places' own arrays)."""
+    one image of ``image_len`` bytes (the padding past its end into the shards' own arrays)."""
     image = np.empty(image_len, dtype=np.uint8)
-    places = [ShardPlace.in_image(image, i, shards[0].size) for i in range(len(shards))]
+    places = [Shard.of_image(image, i, len(shards[0]), fill=False) for i in range(len(shards))]
     for i, (place, shard) in enumerate(zip(places, shards, strict=True)):
-        if i == skip:
-            continue
         at = 0
         for view in place.views():
-            view[:] = shard[at:at + view.nbytes].tobytes()
+            if i != skip:
+                view[:] = shard[at:at + view.nbytes]
             at += view.nbytes
     return image, places
 
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.binary(max_size=3000), n=st.integers(1, 7), lost=st.integers(0, 7))
-def test_split_parity_rebuild_in_place(data: bytes, n: int, lost: int) -> None:
+def test_split_parity_and_an_in_place_rebuild(data: bytes, n: int, lost: int) -> None:
     shards = split(data, n)
-    size = shard_size(len(data), n)
-    assert len(shards) == n and all(s.size == size for s in shards)
-    par = np.empty(size, dtype=np.uint8)
-    digests = parity_and_digests(shards, par)
-    assert digests == [digest_of(s) for s in [*shards, par]]
-    assert np.array_equal(par, parity(shards))
-    image, _ = receive(shards, len(data))
-    assert image.tobytes() == data
+    reference = padded(data, n)
+    assert [b"".join(s.views()) for s in shards] == reference
+    assert b"".join(c.tobytes() for c in parity_chunks(shards)) == xor(reference)
     lost %= n
-    damaged: list[np.ndarray | None] = list(shards)
-    damaged[lost] = None
-    assert np.array_equal(rebuild(damaged, par), shards[lost])
-    image, places = receive(shards, len(data), skip=lost)
-    scratch = ShardPlace.scratch(size)
-    scratch.views()[0][:] = par.tobytes()
-    got = places[lost].rebuild(scratch, [p for i, p in enumerate(places) if i != lost])
-    assert got == digests[lost] and image.tobytes() == data
+    image, places = receive(reference, len(data), skip=lost)
+    par = Shard.scratch(len(reference[0]))
+    par.views()[0][:] = xor(reference)
+    got = places[lost].rebuild(par, [p for i, p in enumerate(places) if i != lost])
+    assert got == digest_of(reference[lost]) and image.tobytes() == data
 
 
 def test_a_rebuild_across_many_chunks_matches_the_lost_shard() -> None:
-    data = np.random.default_rng(3).bytes(3 * (1 << 20) * 2 + 999)  # 2+ MiB shards, odd tail
-    shards = split(data, 3)
-    par = np.empty(shards[0].size, dtype=np.uint8)
-    digests = parity_and_digests(shards, par)
-    image, places = receive(shards, len(data), skip=2)  # the last: in the image and padding
-    scratch = ShardPlace.scratch(par.size)
-    scratch.views()[0][:] = par.tobytes()
-    assert places[2].rebuild(scratch, places[:2]) == digests[2]
+    data = np.random.default_rng(3).bytes(3 * 2 * CHUNK_BYTES + 999)  # 2+ MiB shards
+    reference = padded(data, 3)
+    image, places = receive(reference, len(data), skip=2)  # the last: in the image and padding
+    par = Shard.scratch(len(reference[0]))
+    par.views()[0][:] = xor(reference)
+    assert places[2].rebuild(par, places[:2]) == digest_of(reference[2])
     assert image.tobytes() == data
 
 
-def test_parity_itself_is_rebuilt_by_xor_of_the_data() -> None:
-    shards = split(np.random.default_rng(1).bytes(1001), 3)
-    assert np.array_equal(xor_of(shards), parity(shards))
-    assert not xor_of([*shards, parity(shards)]).any()
-
-
-def test_split_keeps_inner_shards_as_views_and_pads_the_tail() -> None:
+def test_inner_shards_are_views_and_only_the_tail_is_padded() -> None:
     image = bytearray(range(256)) * 4  # 1024 bytes -> 3 shards of 344
     shards = split(image, 3)
-    assert np.shares_memory(shards[0], np.frombuffer(image, np.uint8))
-    assert shards[2].size == 344 and not shards[2][1024 - 688:].any()
+    flat = np.frombuffer(image, np.uint8)
+    assert all(np.shares_memory(s.pieces[0], flat) for s in shards)
+    assert [len(s.pieces) for s in shards] == [1, 1, 2]
+    assert shards[2].pieces[1].size == 3 * 344 - 1024 and not shards[2].pieces[1].any()
+    assert shards[0].contiguous() is shards[0].pieces[0]  # no copy where none is needed
 
 
-def test_xor_is_linear_so_parity_deltas_compose() -> None:
-    rng = np.random.default_rng(2)
-    old, new = rng.bytes(999), rng.bytes(999)
-    delta = [a ^ b for a, b in zip(split(old, 3), split(new, 3), strict=True)]
-    assert np.array_equal(parity(split(old, 3)) ^ parity(delta), parity(split(new, 3)))
+def test_the_parity_streams_in_chunks_through_one_buffer() -> None:
+    data = np.random.default_rng(4).bytes(2 * 3 * CHUNK_BYTES + 40)
+    shards = split(data, 2)
+    chunks = parity_chunks(shards)
+    first = next(chunks)
+    address = first.ctypes.data
+    rest = [c.ctypes.data for c in chunks]
+    assert rest and all(a == address for a in rest)  # reused: valid until the next chunk
+    assert digest_of_pieces(parity_chunks(shards)) == digest_of(xor(padded(data, 2)))
+    assert parity_of(shards).contiguous().tobytes() == xor(padded(data, 2))
 
 
-def test_unaligned_views_work() -> None:
-    buf = np.zeros(8 * 4 + 1, np.uint8)[1:]  # a buffer starting at an odd address
-    buf[:] = np.arange(32, dtype=np.uint8)
-    shards = [buf[:16], buf[16:]]
-    assert np.array_equal(xor_of(shards), buf[:16] ^ buf[16:])
+def test_a_sample_takes_ranges_across_the_padding() -> None:
+    data = bytes(range(200))
+    shard = split(data, 1)[0]  # 200 bytes: no padding; 3 shards of 72: the last padded
+    assert shard.take([(0, 4), (196, 200)]).tobytes() == data[:4] + data[196:]
+    last = split(data, 3)[2]
+    assert last.take([(50, 60)]).tobytes() == data[194:200] + bytes(4)
+    assert as_bytes(memoryview(data)[:3]).tobytes() == data[:3]
 
 
-def test_rebuild_needs_exactly_one_missing_shard() -> None:
-    shards = split(b"abcdefgh" * 10, 2)
-    with pytest.raises(ValueError, match="exactly one missing"):
-        rebuild([None, None], parity(shards))
-    with pytest.raises(ValueError, match="exactly one missing"):
-        rebuild(shards, parity(shards))
+def test_parity_needs_shards_of_one_size() -> None:
     with pytest.raises(ValueError, match="share one size"):
-        xor_of([np.zeros(8, np.uint8), np.zeros(16, np.uint8)])
+        list(parity_chunks([Shard.scratch(8), Shard.scratch(16)]))
+    with pytest.raises(ValueError, match="at least one shard"):
+        list(parity_chunks([]))

@@ -16,7 +16,9 @@ from ckptpilot.tiers.peer.protocol import (
     MAGIC,
     MAX_HEADER_BYTES,
     PRELUDE,
+    TRAILER_BYTES,
     VERSION,
+    Body,
     Connections,
     Op,
     encode_head,
@@ -43,16 +45,14 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 def shard_header(op: Op = Op.PUT, *, meta: bytes = b"{}", size: int = 16) -> dict[str, object]:
-    body = bytes(range(size))
-    digest = digest_of(body)
     header: dict[str, object] = {
         "run_id": "run", "ckpt_id": 7, "shard_index": 0, "shard_count": 2, "data_shards": 1,
-        "kind": "data", "digest": digest, "stripe": [digest, "0" * 32], "image_len": size,
-        "shard_size": size, "meta_len": len(meta), "meta_digest": digest_of(meta),
-        "lease_seconds": 5.0,
+        "kind": "data", "image_len": size, "shard_size": size, "meta_len": len(meta),
+        "meta_digest": digest_of(meta), "lease_seconds": 5.0,
     }
     if op is Op.DELTA:
         header["base_id"] = 6
+        header["digest"] = digest_of(bytes(range(size)))
         header["delta_digest"] = digest_of(b"delta")
     return header
 
@@ -68,12 +68,31 @@ def test_put_frame_round_trip_splits_meta_and_shard(pair: tuple[socket.socket, s
     a, b = pair
     meta, body = b'{"step": 7}', bytes(range(16))
     header = shard_header(meta=meta)
-    assert send_frame(a, Op.PUT, header, [meta, memoryview(body)]) == len(meta) + len(body)
+    sent = send_frame(a, Op.PUT, header, [meta, memoryview(body)])
+    assert sent == len(meta) + len(body) + TRAILER_BYTES
     frame = read_frame(b, max_payload=LIMIT)
     assert frame is not None
     assert frame.op is Op.PUT and frame.header == header
     assert frame.meta == meta and bytes(frame.payload) == body
-    assert frame.payload_digest == digest_of(body)  # digested as it arrived
+    assert frame.payload_digest == frame.trailer_digest == digest_of(body)
+
+
+def test_a_put_streams_its_body_and_sends_the_digest_after_it(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """A Body's pieces are produced while the frame is sent (the parity is XORed that way);
+    its digest is known once sent, and a Body that produces fewer bytes breaks the frame."""
+    a, b = pair
+    meta, body = b"{}", bytes(range(16))
+    streamed = Body(16, lambda: (body[:5], memoryview(body)[5:]))
+    send_frame(a, Op.PUT, shard_header(meta=meta), [meta, streamed])
+    frame = read_frame(b, max_payload=LIMIT)
+    assert frame is not None and bytes(frame.payload) == body
+    assert streamed.digest == frame.trailer_digest == digest_of(body)
+    short = Body(16, lambda: (body[:15],))
+    with pytest.raises(ProtocolError, match="body produced 15 bytes, announced 16"):
+        send_frame(a, Op.PUT, shard_header(meta=meta), [meta, short])
+    with pytest.raises(ProtocolError, match="only a PUT's shard may be sent as a Body"):
+        send_frame(a, Op.LIST, {"run_id": "r"}, [Body(1, lambda: (b"x",))])
 
 
 def test_a_body_is_received_into_the_readers_buffers(pair: tuple[socket.socket, socket.socket]
@@ -105,7 +124,7 @@ def test_buffers_of_another_size_than_the_body_are_refused(
     (Op.PING, {}),
     (Op.LIST, {"run_id": "r"}),
     (Op.GET, {"run_id": "r", "ckpt_id": 3, "shard_index": 1}),
-    (Op.COMMIT, {"run_id": "r", "ckpt_id": 3, "lease_seconds": 1}),
+    (Op.COMMIT, {"run_id": "r", "ckpt_id": 3, "lease_seconds": 1, "stripe": ["0" * 32]}),
     (Op.RENEW, {"run_id": "r", "lease_seconds": 0.5}),
     (Op.DROP, {"run_id": "r"}),
     (Op.CORRUPT, {"run_id": "r", "ckpt_id": 0, "shard_index": 0}),
@@ -180,7 +199,7 @@ def test_malformed_frames_raise_protocol_error(pair: tuple[socket.socket, socket
 def test_truncated_payload_raises(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     meta = b"{}"
-    head = encode_head(Op.PUT, shard_header(meta=meta), len(meta) + 16)
+    head = encode_head(Op.PUT, shard_header(meta=meta), len(meta) + 16 + TRAILER_BYTES)
     a.sendall(head + meta + bytes(10))
     a.shutdown(socket.SHUT_WR)
     with pytest.raises(ProtocolError, match=r"truncated frame.* 10 of 16 bytes of the PUT"):
@@ -201,18 +220,18 @@ def test_oversized_payload_is_refused_before_anything_is_allocated(
     ({"shard_index": 2}, "shard_index 2 is out of range"),
     ({"shard_count": 3}, "shard_count 3 must be data_shards"),
     ({"kind": "parity"}, "cannot be of kind 'parity'"),
-    ({"digest": "ab" * 16}, "stripe must list the digest"),
     ({"shard_size": 12}, "shard_size 12 must be a multiple of 8"),
-    ({"shard_size": 24}, "PUT payload is 18 bytes"),
-    ({"meta_len": 3}, "PUT payload is 18 bytes"),
-    ({"digest": "XYZ"}, "field 'digest' is invalid"),
-    ({"digest": "ab" * 32}, "field 'digest' is invalid"),  # a SHA256 is not an XXH3-128
+    ({"shard_size": 24}, "PUT payload is 34 bytes, header says meta_len 2 \\+ shard_size 24 "
+                         "\\+ a 16-byte digest"),
+    ({"meta_len": 3}, "PUT payload is 34 bytes"),
+    ({"meta_digest": "XYZ"}, "field 'meta_digest' is invalid"),
+    ({"meta_digest": "ab" * 32}, "field 'meta_digest' is invalid"),  # a SHA256 is no XXH3-128
     ({"run_id": ""}, "field 'run_id' is invalid"),
 ])
 def test_inconsistent_shard_headers_are_refused(change: dict[str, object], match: str) -> None:
     header = {**shard_header(), **change}
     with pytest.raises(ProtocolError, match=match):
-        validate_header(Op.PUT, header, 2 + 16)
+        validate_header(Op.PUT, header, 2 + 16 + TRAILER_BYTES)
 
 
 def test_delta_must_carry_a_delta_after_the_meta() -> None:
@@ -220,10 +239,19 @@ def test_delta_must_carry_a_delta_after_the_meta() -> None:
         validate_header(Op.DELTA, shard_header(Op.DELTA), 2)
     with pytest.raises(ProtocolError, match="missing field 'base_id'"):
         validate_header(Op.DELTA, shard_header(Op.PUT), 100)
-    header = shard_header(Op.DELTA)
-    del header["delta_digest"]
-    with pytest.raises(ProtocolError, match="missing field 'delta_digest'"):
-        validate_header(Op.DELTA, header, 100)
+    for field in ("digest", "delta_digest"):
+        header = shard_header(Op.DELTA)
+        del header[field]
+        with pytest.raises(ProtocolError, match=f"missing field '{field}'"):
+            validate_header(Op.DELTA, header, 100)
+
+
+def test_a_commit_carries_the_stripe_of_digests() -> None:
+    with pytest.raises(ProtocolError, match="missing field 'stripe'"):
+        validate_header(Op.COMMIT, {"run_id": "r", "ckpt_id": 1, "lease_seconds": 1}, 0)
+    with pytest.raises(ProtocolError, match="field 'stripe' is invalid"):
+        validate_header(Op.COMMIT, {"run_id": "r", "ckpt_id": 1, "lease_seconds": 1,
+                                    "stripe": ["0" * 64]}, 0)
 
 
 def test_writer_refuses_to_send_an_invalid_header(pair: tuple[socket.socket, socket.socket]

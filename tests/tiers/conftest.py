@@ -119,7 +119,7 @@ def peer_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daem
 class _LostCommit(PeerTier):
     """Every shard reaches its peer, then the COMMIT is lost: the put fails half-way."""
 
-    def _commit(self, ckpt_id: int, holders: Any) -> None:
+    def _commit(self, ckpt_id: int, holders: Any, stripe: Any) -> None:
         raise PeerUnavailable(f"checkpoint {ckpt_id}: COMMIT lost (injected)")
 
 

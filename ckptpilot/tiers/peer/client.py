@@ -74,17 +74,11 @@ from ckptpilot.tiers.peer.errors import (
     PeerUnavailable,
     ProtocolError,
 )
-from ckptpilot.tiers.peer.parity import (
-    ShardPlace,
-    as_bytes,
-    parity_and_digests,
-    shard_size,
-    split,
-    xor_of,
-)
+from ckptpilot.tiers.peer.parity import Shard, as_bytes, parity_chunks, parity_of, split
 from ckptpilot.tiers.peer.placement import PeerStatus, Placement, describe_failure
 from ckptpilot.tiers.peer.protocol import (
     MAX_META_BYTES,
+    Body,
     Buffer,
     Connections,
     Frame,
@@ -179,8 +173,18 @@ class _DeltaPlan:
     base's data shards; ``blob`` the delta when the estimate already encoded all of it."""
 
     base_id: int
-    old: list[np.ndarray]
+    old: list[Shard]
     blob: list[Buffer] | None
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where one shard went, the bytes sent for it, and the digest of the shard."""
+
+    endpoint: str
+    bytes_sent: int
+    delta: bool
+    digest: str
 
 
 @dataclass
@@ -329,16 +333,11 @@ class PeerTier:
         if len(meta) > MAX_META_BYTES:
             raise ValueError(f"meta of {len(meta)} bytes exceeds {MAX_META_BYTES}; keep it to "
                              "a small description of the state")
-        image_len = as_bytes(image).size
-        size = shard_size(image_len, self.data_shards)
-        shards = split(image, self.data_shards)
-        if self.parity:
-            shards.append(np.empty(size, dtype=np.uint8))
-        stripe = parity_and_digests(shards[:self.data_shards],
-                                    shards[-1] if self.parity else None)
+        data = split(image, self.data_shards)
+        image_len, size = as_bytes(image).size, data[0].size
         common = {"run_id": self.run_id, "ckpt_id": ckpt_id, "shard_count": self.shard_count,
-                  "data_shards": self.data_shards, "stripe": stripe, "image_len": image_len,
-                  "shard_size": size, "meta_len": len(meta), "meta_digest": digest_of(meta),
+                  "data_shards": self.data_shards, "image_len": image_len, "shard_size": size,
+                  "meta_len": len(meta), "meta_digest": digest_of(meta),
                   "lease_seconds": self.lease_seconds}
 
         targets: list[str | None] = [None] * self.shard_count
@@ -350,16 +349,16 @@ class PeerTier:
             holders = {i: e for i, e in enumerate(layout.endpoints) if e in usable}
             for i, endpoint in holders.items():
                 targets[i] = endpoint
-            plans = self._plan_deltas(base, shards, holders)
+            plans = self._plan_deltas(base, data, holders)
         claims = _Claims({t for t in targets if t is not None})
 
-        def place(i: int) -> tuple[str, int, bool]:
-            header = {**common, "shard_index": i, "digest": stripe[i],
+        def place(i: int) -> _Placed:
+            header = {**common, "shard_index": i,
                       "kind": "parity" if i == self.data_shards else "data"}
-            return self._place(header, shards[i], plans[i], targets[i], meta, claims)
+            return self._place(header, data, plans[i], targets[i], meta, claims)
 
         futures = [self._pool.submit(place, i) for i in range(self.shard_count)]
-        placed: list[tuple[str, int, bool] | None] = []
+        placed: list[_Placed | None] = []
         failures: dict[int, str] = {}
         for i, fut in enumerate(futures):
             try:
@@ -372,33 +371,33 @@ class PeerTier:
                 f"put of checkpoint {ckpt_id} of run {self.run_id!r} failed (nothing "
                 f"committed): {_describe(failures)}", failures)
         done = [p for p in placed if p is not None]
-        endpoints = tuple(p[0] for p in done)
-        self._commit(ckpt_id, endpoints)
+        endpoints = tuple(p.endpoint for p in done)
+        self._commit(ckpt_id, endpoints, [p.digest for p in done])
         with self._lock:
             self._layouts[ckpt_id] = _Layout(ckpt_id, image_len, size, self.data_shards,
                                              endpoints)
             for old_id in sorted(self._layouts)[:-_LAYOUTS_KEPT]:
                 del self._layouts[old_id]
-        deltas = sum(1 for p in done if p[2])
-        return PeerPutResult(ckpt_id, endpoints, sum(p[1] for p in done),
+        deltas = sum(1 for p in done if p.delta)
+        return PeerPutResult(ckpt_id, endpoints, sum(p.bytes_sent for p in done),
                              len(done) - deltas, deltas, time.perf_counter() - start)
 
     def _plan_deltas(
-        self, base: tuple[int, Buffer], shards: Sequence[np.ndarray], holders: dict[int, str]
+        self, base: tuple[int, Buffer], data: Sequence[Shard], holders: dict[int, str]
     ) -> list[_DeltaPlan | None]:
         """Which shards go as deltas to the holders of the base (see ``deltas``): with
         ``auto``, each shard's sample is encoded here, before any transfer starts, so the
         estimates do not compete with the transfers for the CPU."""
         old = split(base[1], self.data_shards)
-        ranges = sample_ranges(shards[0].size)
+        ranges = sample_ranges(data[0].size)
         plans: list[_DeltaPlan | None] = [None] * self.shard_count
         for i, endpoint in holders.items():
             sources = [i] if i < self.data_shards else list(range(self.data_shards))
             if self.deltas == "always" and len(ranges) > 1:  # no estimate needed
                 plans[i] = _DeltaPlan(base[0], old, None)
                 continue
-            est = estimate(self._codec, gather([shards[j] for j in sources], ranges),
-                           gather([old[j] for j in sources], ranges), shards[i].size)
+            est = estimate(self._codec, gather([data[j] for j in sources], ranges),
+                           gather([old[j] for j in sources], ranges), data[0].size)
             if self.deltas == "always" or delta_pays(
                     est, self._wire_rate(endpoint), concurrent=len(holders),
                     cores=os.cpu_count() or 1):
@@ -426,29 +425,32 @@ class PeerTier:
     def _place(
         self,
         header: dict[str, Any],
-        shard: np.ndarray,
+        data: Sequence[Shard],
         plan: _DeltaPlan | None,
         endpoint: str | None,
         meta: bytes,
         claims: _Claims,
-    ) -> tuple[str, int, bool]:
-        """Send one shard; returns (endpoint, bytes sent, was a delta). Tries a delta to the
-        base's holder first when planned, then the full shard to that holder, or to fresh
-        peers until one takes it."""
+    ) -> _Placed:
+        """Send shard ``header["shard_index"]``: a delta to the base's holder first when
+        planned, else (or when that holder lost the base) the full shard to that holder, or
+        to fresh peers until one takes it. A full shard streams from the image (the parity
+        is XORed a chunk at a time as it goes) and is digested as it is sent."""
+        index = header["shard_index"]
         reasons: list[str] = []
         if endpoint is not None and plan is not None:
+            new = (data[index] if index < self.data_shards else parity_of(data)).contiguous()
             blob = plan.blob
             if blob is None:
-                index = header["shard_index"]
-                sources = [plan.old[index]] if index < self.data_shards else plan.old
-                base_shard = sources[0] if len(sources) == 1 else xor_of(sources)
-                blob = self._codec.encode_parts(shard_tensor(shard),
-                                                base=shard_tensor(base_shard))
-            delta_header = {**header, "base_id": plan.base_id,
+                old = plan.old
+                base_shard = old[index] if index < self.data_shards else parity_of(old)
+                blob = self._codec.encode_parts(shard_tensor(new),
+                                                base=shard_tensor(base_shard.contiguous()))
+            digest = digest_of(new)
+            delta_header = {**header, "base_id": plan.base_id, "digest": digest,
                             "delta_digest": digest_of_pieces(blob)}
             try:  # the blob's parts are sent as they are: joining them would copy the shard
                 self._request(endpoint, Op.DELTA, delta_header, [meta, *blob])
-                return endpoint, sum(memoryview(part).nbytes for part in blob), True
+                return _Placed(endpoint, sum(memoryview(p).nbytes for p in blob), True, digest)
             except PeerRequestError as e:
                 if e.code != "no_base":
                     reasons.append(f"@{endpoint}: {e.message}")
@@ -457,14 +459,18 @@ class PeerTier:
             except (OSError, ProtocolError) as e:
                 reasons.append(f"@{endpoint}: {describe_failure(e)}")
                 endpoint = None
+        shard = data[index] if index < self.data_shards else None
+        body = Body(data[0].size, shard.chunks if shard is not None else
+                    lambda: parity_chunks(data))
         for _ in range(len(self.endpoints)):
             if endpoint is None:
                 endpoint = self._claim(claims, reasons)
             try:
                 t0 = time.perf_counter()
-                self._request(endpoint, Op.PUT, header, [meta, shard])
-                self._note_wire(endpoint, shard.size, time.perf_counter() - t0)
-                return endpoint, shard.size, False
+                self._request(endpoint, Op.PUT, header, [meta, body])
+                self._note_wire(endpoint, body.nbytes, time.perf_counter() - t0)
+                assert body.digest is not None
+                return _Placed(endpoint, body.nbytes, False, body.digest)
             except _REQUEST_ERRORS as e:
                 reasons.append(f"@{endpoint}: {_reason(e)}")
                 with claims.lock:
@@ -509,10 +515,12 @@ class PeerTier:
         self.placement.report(endpoint, True, time.perf_counter() - start)
         return reply
 
-    def _commit(self, ckpt_id: int, holders: Sequence[str]) -> None:
-        """COMMIT on every reachable endpoint: holders keep ``ckpt_id`` and drop older states;
-        the others drop stale copies of this run. At least one holder must confirm."""
-        header = {"run_id": self.run_id, "ckpt_id": ckpt_id, "lease_seconds": self.lease_seconds}
+    def _commit(self, ckpt_id: int, holders: Sequence[str], stripe: list[str]) -> None:
+        """COMMIT (with the stripe of digests) on every reachable endpoint: holders keep
+        ``ckpt_id`` and drop older states; the others drop stale copies of this run. At least
+        one holder must confirm."""
+        header = {"run_id": self.run_id, "ckpt_id": ckpt_id, "lease_seconds": self.lease_seconds,
+                  "stripe": stripe}
         up = {r.endpoint for r in self.placement.readings() if r.up} | set(holders)
 
         def commit(endpoint: str) -> str | None:
@@ -604,11 +612,11 @@ class PeerTier:
         n, size = stripe.data_shards, stripe.shard_size
         has_parity = stripe.shard_count > n
         image = np.empty(stripe.image_len, dtype=np.uint8)
-        places = [ShardPlace.in_image(image, i, size) for i in range(n)]
+        places = [Shard.of_image(image, i, size, fill=False) for i in range(n)]
         frames: dict[int, Frame] = {}
         lost: dict[int, str] = {}
         fetched_bytes = [0]
-        parity_place: ShardPlace | None = None
+        parity_place: Shard | None = None
 
         def fetch(indices: Sequence[int]) -> None:
             wanted = {i: places[i] if i < n else parity_place for i in indices}
@@ -625,7 +633,7 @@ class PeerTier:
             if not stripe.holders.get(n):
                 lost[n] = self._why_missing(stripe, n, unreachable)
                 return indices
-            parity_place = ShardPlace.scratch(size)
+            parity_place = Shard.scratch(size)
             return [*indices, n]
 
         for i in range(n):
@@ -649,7 +657,13 @@ class PeerTier:
             rebuilt = next(iter(lost))
             others = [places[i] for i in range(n) if i != rebuilt]
             digest = places[rebuilt].rebuild(parity_place, others)
-            if expected is not None and digest != expected[rebuilt]:
+            if expected is None:
+                raise PeerUnavailable(
+                    f"checkpoint {stripe.ckpt_id}: shard {rebuilt} cannot be rebuilt from "
+                    "parity: no fetched shard lists the save's digests (its COMMIT did not "
+                    f"reach their peers) to check the result against (lost because: "
+                    f"{lost[rebuilt]})", lost)
+            if digest != expected[rebuilt]:
                 raise PeerUnavailable(
                     f"checkpoint {stripe.ckpt_id}: shard {rebuilt} rebuilt from parity does not "
                     f"match its digest (lost because: {lost[rebuilt]})", lost)
@@ -660,7 +674,7 @@ class PeerTier:
                                time.perf_counter() - start)
 
     def _get_shard(
-        self, stripe: _Stripe, index: int, place: ShardPlace, fetched_bytes: list[int]
+        self, stripe: _Stripe, index: int, place: Shard, fetched_bytes: list[int]
     ) -> Frame | str:
         """Shard ``index`` received into ``place`` from the first holder whose bytes match
         their digest, or why none did (a later holder overwrites a damaged copy)."""
@@ -883,12 +897,16 @@ def _either(
 
 
 def _names_itself(header: dict[str, Any], index: int, stripe: _Stripe) -> bool:
-    """Whether a GET reply's header lists a stripe of this checkpoint's shape with its own
-    digest at ``index`` (what ``_agreed_stripe`` and a rebuild rely on)."""
-    listed = header.get("stripe")
-    return (is_digest(header.get("digest")) and isinstance(listed, list)
-            and len(listed) == stripe.shard_count and all(is_digest(d) for d in listed)
-            and listed[index] == header["digest"])
+    """Whether a GET reply's header has a digest and, when it lists the save's stripe (once
+    its COMMIT reached that peer), a stripe of this checkpoint's shape with that digest at
+    ``index`` (what ``_agreed_stripe`` and a rebuild rely on)."""
+    if not is_digest(header.get("digest")):
+        return False
+    if "stripe" not in header:
+        return True
+    listed = header["stripe"]
+    return (isinstance(listed, list) and len(listed) == stripe.shard_count
+            and all(is_digest(d) for d in listed) and listed[index] == header["digest"])
 
 
 def _reason(error: BaseException) -> str:
@@ -903,10 +921,10 @@ def _describe(failures: dict[int, str]) -> str:
 
 
 def _agreed_stripe(frames: Sequence[Frame], stripe: _Stripe) -> list[str] | None:
-    """The shard digests every fetched shard agrees on (each shard carries them all)."""
-    stripes = {tuple(f.header.get("stripe", ())) for f in frames}
-    if len(stripes) != 1:
+    """The save's shard digests, on which every fetched shard that lists them agrees (each
+    committed shard carries them all); None when none lists them."""
+    stripes = {tuple(f.header["stripe"]) for f in frames if "stripe" in f.header}
+    if len(stripes) > 1:
         raise PeerUnavailable(f"checkpoint {stripe.ckpt_id}: the fetched shards disagree on "
                               "the stripe's digests (shards of different saves?)")
-    agreed = list(next(iter(stripes)))
-    return agreed if len(agreed) == stripe.shard_count else None
+    return list(next(iter(stripes))) if stripes else None

@@ -224,14 +224,15 @@ class PeerDaemon:
             self.store.unreserve(head.payload_len)
             raise
         problem = _check_meta(h, frame.meta) or _check_digest(
-            h["digest"], frame.payload_digest, f"received shard {h['shard_index']} of "
-            f"checkpoint {h['ckpt_id']}; resend it")
+            frame.trailer_digest, frame.payload_digest, f"received shard {h['shard_index']} "
+            f"of checkpoint {h['ckpt_id']}", "resend it")
         if problem is not None:
             self.store.unreserve(head.payload_len)
             send_error(sock, *problem)
             return
-        entry = Entry(_key(h), {f: h[f] for f in SHARD_FIELDS}, frame.meta, frame.payload,
-                      head.payload_len)
+        info = {**{f: h[f] for f in SHARD_FIELDS}, "digest": frame.payload_digest}
+        entry = Entry(_key(h), info, frame.meta, frame.payload,
+                      len(frame.meta) + frame.payload.size)
         self.store.add(entry, reserved=head.payload_len, lease_seconds=h["lease_seconds"])
         send_frame(sock, Op.OK, {})
 
@@ -255,12 +256,13 @@ class PeerDaemon:
             raise
         problem = _check_meta(h, frame.meta) or _check_digest(
             h["delta_digest"], frame.payload_digest, f"received delta of shard "
-            f"{h['shard_index']} of checkpoint {h['ckpt_id']}; resend it")
+            f"{h['shard_index']} of checkpoint {h['ckpt_id']}", "resend it")
         if problem is not None:
             self.store.unreserve(reserved)
             send_error(sock, *problem)
             return
-        entry = Entry(_key(h), {f: h[f] for f in SHARD_FIELDS}, frame.meta, None, reserved)
+        info = {**{f: h[f] for f in SHARD_FIELDS}, "digest": h["digest"]}
+        entry = Entry(_key(h), info, frame.meta, None, reserved)
         if not self.store.begin_fold(entry, base, reserved=reserved,
                                      lease_seconds=h["lease_seconds"]):
             send_error(sock, "no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
@@ -305,7 +307,7 @@ class PeerDaemon:
 
     def _commit(self, sock: socket.socket, head: Head) -> None:
         h = head.header
-        held = self.store.commit(h["run_id"], h["ckpt_id"], h["lease_seconds"])
+        held = self.store.commit(h["run_id"], h["ckpt_id"], h["lease_seconds"], h["stripe"])
         send_frame(sock, Op.OK, {"held": held})
 
     # ----------------------------------------------------------------------------- reading
@@ -385,11 +387,13 @@ def _key(h: dict[str, Any]) -> tuple[str, int, int]:
     return h["run_id"], h["ckpt_id"], h["shard_index"]
 
 
-def _check_digest(expected: str, actual: str | None, what: str) -> tuple[str, str] | None:
+def _check_digest(
+    expected: str | None, actual: str | None, what: str, fix: str = ""
+) -> tuple[str, str] | None:
     if actual == expected:
         return None
     return ("digest_mismatch", f"digest mismatch on the {what} (expected {expected}, got "
-            f"{actual})")
+            f"{actual})" + (f"; {fix}" if fix else ""))
 
 
 def _check_meta(h: dict[str, Any], meta: bytes) -> tuple[str, str] | None:

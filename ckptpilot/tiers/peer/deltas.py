@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptpilot.codecs.base import Codec
+from ckptpilot.tiers.peer.parity import Shard
 from ckptpilot.tiers.peer.protocol import Buffer, shard_tensor
 
 SAMPLE_STRIPES = 16
@@ -63,12 +64,12 @@ def sample_ranges(size: int) -> list[tuple[int, int]]:
     return [(lo, lo + STRIPE_BYTES) for lo in starts]
 
 
-def gather(shards: Sequence[np.ndarray], ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+def gather(shards: Sequence[Shard], ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     """The bytes of ``ranges`` of the XOR of ``shards`` (one shard: its bytes), as one array;
     the XOR of samples is the sample of the XOR, so a parity shard's sample needs no parity."""
-    out = np.concatenate([shards[0][lo:hi] for lo, hi in ranges])
+    out = shards[0].take(ranges)
     for shard in shards[1:]:
-        np.bitwise_xor(out, np.concatenate([shard[lo:hi] for lo, hi in ranges]), out=out)
+        np.bitwise_xor(out, shard.take(ranges), out=out)
     return out
 
 

@@ -15,9 +15,15 @@ Shard-carrying frames (PUT, DELTA and the reply to GET) put the checkpoint's met
 the payload and the shard (or its encoded delta) after it; ``meta_len`` in the header says
 where the meta ends, so the meta never has to be base64-encoded into the header. A DELTA's
 shard part is a ``ckptpilot.codecs`` ``xor_delta`` blob of the new shard against the base
-shard, both viewed as :data:`DELTA_DTYPE`. Their headers carry XXH3-128 digests (see
-``digest``): ``digest`` of the shard, ``stripe`` (the digests of all shards of the save),
-``meta_digest``, and for a DELTA ``delta_digest`` of the encoded bytes.
+shard, both viewed as :data:`DELTA_DTYPE`. Digests are XXH3-128 (see ``digest``): every
+shard-carrying header has ``meta_digest``; a PUT's payload ends with a
+:data:`TRAILER_BYTES`-byte trailer, the digest of the shard, which the sender computes as the
+shard goes out (so sending starts at once, without a pass over the shard first); a DELTA
+carries ``digest`` (of the new shard, checked after the fold) and ``delta_digest`` (of the
+encoded bytes) in its header; the reply to GET carries the shard's ``digest`` and, once
+committed, ``stripe``. COMMIT carries ``stripe``, the digests of all shards of the save in
+order, which the daemons keep with the shards so that a fetch can check that the shards it
+combines belong to one save and that a shard rebuilt from parity is right.
 
 The reader validates before it allocates: the prelude is checked (magic, version, op,
 header size, payload size against the reader's limit), then the header (JSON, required
@@ -44,7 +50,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +70,7 @@ MAX_META_BYTES = 16 * 2**20
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
 _DISCARD_CHUNK = 1 << 20
-_RECV_CHUNK = 1 << 20  # digested right after each recv, while it is still in the cache
+_RECV_CHUNK = 1 << 20  # digested right after each recv or before each send, while cached
 _IOV_MAX = 1024
 _MAX_INT = 2**63 - 1
 _MAX_ERROR_CHARS = 4096
@@ -94,6 +100,9 @@ sign/exponent byte is where a delta compresses."""
 
 SHARD_KINDS = ("data", "parity")
 _META_OPS = (Op.PUT, Op.DELTA, Op.OK)
+_TRAILED_OPS = (Op.PUT,)
+TRAILER_BYTES = 16
+"""A PUT's payload ends with the binary XXH3-128 digest of its shard."""
 
 
 @dataclass(frozen=True)
@@ -111,13 +120,26 @@ class Frame:
     read as ``meta`` and the rest, the body, which goes into the reader's buffers (``into``)
     or a fresh uninitialised array, ``payload``, that the bytes fill entirely (so a shard
     starts at an aligned address); other frames have an empty ``meta``. ``payload_digest``
-    is the digest of the body of a frame with ``meta_len``, computed as it arrived."""
+    is the digest of the body of a frame with ``meta_len``, computed as it arrived;
+    ``trailer_digest`` the digest a PUT's sender appended (compare the two)."""
 
     op: Op
     header: dict[str, Any]
     payload: np.ndarray
     meta: bytes = b""
     payload_digest: str | None = None
+    trailer_digest: str | None = None
+
+
+class Body:
+    """A PUT's shard, sent piece by piece straight from where its bytes are (``pieces()``
+    yields them; it is called once per send), digested as it goes. After the send,
+    ``digest`` is the digest that went out as the frame's trailer."""
+
+    def __init__(self, nbytes: int, pieces: Callable[[], Iterable[Buffer]]) -> None:
+        self.nbytes = nbytes
+        self.pieces = pieces
+        self.digest: str | None = None
 
 
 # ----------------------------------------------------------------------------- field checks
@@ -151,8 +173,6 @@ _SHARD_FIELDS: dict[str, Callable[[object], bool]] = {
     "shard_count": _int(1, 1024),
     "data_shards": _int(1, 1024),
     "kind": lambda v: v in SHARD_KINDS,
-    "digest": is_digest,
-    "stripe": _stripe,
     "image_len": _int(0),
     "shard_size": _int(8),
     "meta_len": _int(0, MAX_META_BYTES),
@@ -161,8 +181,10 @@ _SHARD_FIELDS: dict[str, Callable[[object], bool]] = {
 }
 _FIELDS: dict[Op, dict[str, Callable[[object], bool]]] = {
     Op.PUT: _SHARD_FIELDS,
-    Op.DELTA: {**_SHARD_FIELDS, "base_id": _int(0), "delta_digest": is_digest},
-    Op.COMMIT: {"run_id": _run_id, "ckpt_id": _int(0), "lease_seconds": _positive_number},
+    Op.DELTA: {**_SHARD_FIELDS, "base_id": _int(0), "digest": is_digest,
+               "delta_digest": is_digest},
+    Op.COMMIT: {"run_id": _run_id, "ckpt_id": _int(0), "lease_seconds": _positive_number,
+                "stripe": _stripe},
     Op.GET: {"run_id": _run_id, "ckpt_id": _int(0), "shard_index": _int(0)},
     Op.LIST: {"run_id": _run_id},
     Op.PING: {},
@@ -206,15 +228,13 @@ def _check_shard_header(op: Op, h: dict[str, Any], payload_len: int) -> None:
     if (h["kind"] == "parity") != (index == data):
         raise ProtocolError(f"{op.name}: shard {index} of {count} cannot be of kind "
                             f"{h['kind']!r}")
-    if len(h["stripe"]) != count or h["stripe"][index] != h["digest"]:
-        raise ProtocolError(f"{op.name}: stripe must list the digest of all {count} shards, "
-                            "this shard's at its index")
     if h["shard_size"] % 8 or h["shard_size"] * data < h["image_len"]:
         raise ProtocolError(f"{op.name}: shard_size {h['shard_size']} must be a multiple of 8 "
                             f"covering image_len {h['image_len']} in {data} shards")
-    if op is Op.PUT and payload_len != h["meta_len"] + h["shard_size"]:
+    if op is Op.PUT and payload_len != h["meta_len"] + h["shard_size"] + TRAILER_BYTES:
         raise ProtocolError(f"PUT payload is {payload_len} bytes, header says meta_len "
-                            f"{h['meta_len']} + shard_size {h['shard_size']}")
+                            f"{h['meta_len']} + shard_size {h['shard_size']} + a "
+                            f"{TRAILER_BYTES}-byte digest")
     if op is Op.DELTA and payload_len <= h["meta_len"]:
         raise ProtocolError(f"DELTA payload of {payload_len} bytes holds no delta after "
                             f"meta_len {h['meta_len']}")
@@ -303,7 +323,8 @@ def read_payload(
     meta_len = head.header.get("meta_len", 0) if head.op in _META_OPS else 0
     meta = bytearray(meta_len)
     recv_exactly(sock, memoryview(meta), f"{head.op.name} meta")
-    body_len = head.payload_len - meta_len
+    trailer = bytearray(TRAILER_BYTES if head.op in _TRAILED_OPS else 0)
+    body_len = head.payload_len - meta_len - len(trailer)
     if into is None:
         payload = np.empty(body_len, dtype=np.uint8)
         views: Sequence[memoryview] = [memoryview(payload)]
@@ -316,8 +337,10 @@ def read_payload(
         payload = np.empty(0, dtype=np.uint8)
     hasher = Hasher() if "meta_len" in head.header and head.op in _META_OPS else None
     _recv_views(sock, views, f"{head.op.name} payload", hasher)
+    recv_exactly(sock, memoryview(trailer), f"{head.op.name} digest trailer")
     return Frame(head.op, head.header, payload, bytes(meta),
-                 None if hasher is None else hasher.hexdigest())
+                 None if hasher is None else hasher.hexdigest(),
+                 bytes(trailer).hex() if trailer else None)
 
 
 def discard_payload(sock: socket.socket, head: Head) -> None:
@@ -348,14 +371,46 @@ def encode_head(op: Op, header: dict[str, Any], payload_len: int) -> bytes:
 
 
 def send_frame(
-    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = ()
+    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer | Body] = ()
 ) -> int:
-    """Write one frame (the payload is the concatenation of ``parts``, sent as they are, in
-    one ``sendmsg`` where the kernel takes it all); returns the payload size."""
-    views = [memoryview(p).cast("B") for p in parts]
-    payload_len = sum(v.nbytes for v in views)
-    _send_views(sock, [memoryview(encode_head(op, header, payload_len)), *views])
+    """Write one frame; returns the payload size. The payload is the concatenation of
+    ``parts``, sent as they are (one ``sendmsg`` where the kernel takes it all). A PUT's
+    parts are its meta, then its shard as buffers or :class:`Body` pieces, which are sent
+    a chunk at a time, each digested just before it goes, then the digest as the trailer."""
+    if op not in _TRAILED_OPS:
+        views = [_view(p) for p in parts]
+        payload_len = sum(v.nbytes for v in views)
+        _send_views(sock, [memoryview(encode_head(op, header, payload_len)), *views])
+        return payload_len
+    if not parts or isinstance(parts[0], Body):
+        raise ProtocolError(f"{op.name} parts must start with the meta")
+    meta, body = _view(parts[0]), parts[1:]
+    body_len = sum(p.nbytes if isinstance(p, Body) else _view(p).nbytes for p in body)
+    payload_len = meta.nbytes + body_len + TRAILER_BYTES
+    _send_views(sock, [memoryview(encode_head(op, header, payload_len)), meta])
+    hasher, sent = Hasher(), 0
+    for part in body:
+        for piece in (part.pieces() if isinstance(part, Body) else (part,)):
+            view = _view(piece)
+            for lo in range(0, view.nbytes, _RECV_CHUNK):
+                chunk = view[lo:lo + _RECV_CHUNK]
+                hasher.update(chunk)
+                _send_views(sock, [chunk])
+                sent += chunk.nbytes
+    if sent != body_len:  # the frame is broken: the caller's connection must be closed
+        raise ProtocolError(f"{op.name} body produced {sent} bytes, announced {body_len}")
+    digest = hasher.digest()
+    _send_views(sock, [memoryview(digest)])
+    for part in body:
+        if isinstance(part, Body):
+            part.digest = digest.hex()
     return payload_len
+
+
+def _view(part: Buffer | Body) -> memoryview:
+    if isinstance(part, Body):
+        raise ProtocolError("only a PUT's shard may be sent as a Body")
+    return memoryview(part).cast("B")
 
 
 def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -410,7 +465,7 @@ def call(
     endpoint: str,
     op: Op,
     header: dict[str, Any],
-    parts: Sequence[Buffer] = (),
+    parts: Sequence[Buffer | Body] = (),
     *,
     timeout_seconds: float,
     max_reply_payload: int = 0,
@@ -461,7 +516,7 @@ class Connections:
         endpoint: str,
         op: Op,
         header: dict[str, Any],
-        parts: Sequence[Buffer] = (),
+        parts: Sequence[Buffer | Body] = (),
         *,
         timeout_seconds: float,
         max_reply_payload: int = 0,
@@ -538,7 +593,7 @@ def _still_open(sock: socket.socket) -> bool:
 
 
 def _exchange(
-    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer],
+    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer | Body],
     max_reply_payload: int, reply_into: ReplyInto | None,
 ) -> Frame | None:
     """Send one request and read its reply; None if the peer closed without replying."""

@@ -14,10 +14,12 @@ the delta's bytes are released and the entry keeps meta + shard.
 Never evicted: the newest committed checkpoint of each run, a checkpoint still folding, a
 checkpoint that a pending fold reads as its base, and the checkpoint being written.
 
-Commit: ``commit(run, c)`` marks c's shards committed; as soon as every shard of c held here
-has folded correctly (immediately when there is nothing to fold, or nothing of c here at all)
-the run's older checkpoints are dropped. Until then the base stays, so a save that fails
-half-way never leaves this daemon with nothing.
+Commit: ``commit(run, c, stripe)`` marks c's shards committed and keeps the save's stripe
+(every shard's digest) with them; a shard of c held here whose digest is not the stripe's
+at its index is a leftover of another put of c (one that failed half-way) and is dropped. As
+soon as every shard of c held here has folded correctly (immediately when there is nothing
+to fold, or nothing of c here at all) the run's older checkpoints are dropped. Until then the
+base stays, so a save that fails half-way never leaves this daemon with nothing.
 
 Threading: every method may be called from any thread; one lock guards all state. The
 ``ready`` event of an entry is set once its bytes are final (at once for PUT, after the
@@ -40,9 +42,10 @@ log = logging.getLogger(__name__)
 Key = tuple[str, int, int]
 """(run_id, ckpt_id, shard_index)."""
 
-SHARD_FIELDS = ("shard_count", "data_shards", "kind", "digest", "stripe", "image_len",
-                "shard_size", "meta_digest")
-"""Header fields a shard keeps and returns on GET."""
+SHARD_FIELDS = ("shard_count", "data_shards", "kind", "image_len", "shard_size",
+                "meta_digest")
+"""Header fields a shard keeps and returns on GET, with its ``digest`` (from the PUT's
+trailer or the DELTA's header) and, once committed, the save's ``stripe``."""
 _LIST_FIELDS = ("shard_count", "data_shards", "kind", "image_len", "shard_size")
 """The subset LIST returns (small, so a LIST reply of hundreds of shards fits a header)."""
 
@@ -202,13 +205,23 @@ class ShardStore:
 
     # ----------------------------------------------------------------------------- commits
 
-    def commit(self, run: str, ckpt: int, lease_seconds: float) -> int:
-        """Mark ``ckpt`` committed (complete across peers); returns how many of its shards
-        are held here. Older checkpoints of the run are dropped once it has folded."""
+    def commit(self, run: str, ckpt: int, lease_seconds: float, stripe: list[str]) -> int:
+        """Mark ``ckpt`` committed (complete across peers) with its ``stripe``; returns how
+        many of its shards are held here. Older checkpoints of the run are dropped once it
+        has folded."""
         with self._lock:
-            mine = [e for k, e in self._entries.items() if k[0] == run and k[1] == ckpt]
-            for e in mine:
+            mine = []
+            for k, e in list(self._entries.items()):
+                if k[0] != run or k[1] != ckpt:
+                    continue
+                if len(stripe) != e.info["shard_count"] or stripe[k[2]] != e.info["digest"]:
+                    log.warning("run %s checkpoint %d shard %d is not the one committed (another "
+                                "put of it): dropped", *k)
+                    self._remove(k)
+                    continue
                 e.committed = True
+                e.info["stripe"] = list(stripe)
+                mine.append(e)
             self._renew(run, lease_seconds)
             if ckpt >= self._pending_commits.get(run, -1):
                 self._pending_commits[run] = ckpt
