@@ -300,7 +300,7 @@ def test_ratios_on_adam_like_moments() -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "params"), CODECS[:10], ids=str)
+@pytest.mark.parametrize(("name", "params"), CODECS[:11], ids=str)
 def test_every_single_bit_flip_and_truncation_is_caught(
     small_chunks: None, name: str, params: dict[str, object]
 ) -> None:
