@@ -114,17 +114,18 @@ def split(
     step = block_elements(itemsize)
     elements = words(data, itemsize)
     base = None if xor_with is None else words(xor_with, itemsize)
-    delta = work.get("split-xor", itemsize, min(n, step))
-    turned = work.get("split-rotated", itemsize, min(n, step))
-    shifted = work.get("split-shift", itemsize, min(n, step))
+    size = min(n, step)
+    delta = None if base is None else work.get("split-xor", itemsize, size)
+    turned = work.get("split-rotated", itemsize, size) if rotated else None
+    shifted = work.get("split-shift", itemsize, size)
     shifts = [elements.dtype.type(8 * lo) for lo, _, _ in lanes]
     for start in range(0, n, step):
         stop = min(n, start + step)
         k = stop - start
         block = elements[start:stop]
-        if base is not None:
+        if base is not None and delta is not None:
             block = np.bitwise_xor(block, base[start:stop], out=delta[:k])
-        if rotated:
+        if turned is not None:
             block = rotate_sign(block, turned[:k], shifted[:k])
         for (lo, _, out), shift in zip(lanes, shifts, strict=True):
             if lo == 0:
