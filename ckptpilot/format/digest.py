@@ -42,17 +42,21 @@ CHUNK_BYTES = 8 << 20
 """8 MiB: 128 digests (8 KB of manifest) per GB, and pieces small enough that a 64 MiB write
 spreads over every hashing thread."""
 
-_POOL: list[ThreadPoolExecutor] = []
+_POOLS: dict[bool, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def hash_pool() -> ThreadPoolExecutor:
-    """The process's hashing threads (at most 4, fewer on smaller machines; at background
-    priority: the cores are training's first). Shared by writers and readers."""
+def hash_pool(*, background: bool = True) -> ThreadPoolExecutor:
+    """The process's hashing threads (at most 4, fewer on smaller machines). ``background``
+    (a save): at background priority, the cores are training's first. Not (a restore, a
+    validation someone waits for): at the caller's priority — training is waiting for it, and
+    niced threads on a busy machine would make a restore many times slower."""
     with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(background_pool(max(1, min(4, os.cpu_count() or 1)), "ckptpilot-hash"))
-        return _POOL[0]
+        if background not in _POOLS:
+            workers = max(1, min(4, os.cpu_count() or 1))
+            _POOLS[background] = (background_pool(workers, "ckptpilot-hash") if background
+                                  else ThreadPoolExecutor(workers, "ckptpilot-read"))
+        return _POOLS[background]
 
 
 def is_chunked(rec: Mapping[str, Any]) -> bool:
@@ -83,8 +87,8 @@ def check_chunk(view: memoryview, begin: int, end: int, expected: str, where: st
 
 
 class ChunkDigest:
-    """The chunk digests of a byte stream, hashed on :func:`hash_pool` while the caller
-    writes the same bytes.
+    """The chunk digests of a byte stream, hashed on :func:`hash_pool` (background) while the
+    caller writes the same bytes.
 
     :meth:`update` returns the futures of the hashing it started; the caller waits for them
     before the buffer it passed may change (a writer: before its ``write`` returns), so each

@@ -30,6 +30,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -209,7 +210,7 @@ class RemoteTier:
             if self.is_local:
                 fd = os.open(where, os.O_RDONLY)
                 try:
-                    for _ in hash_pool().map(
+                    for _ in _readers().map(
                             lambda r: _pread_checked(fd, view, *r, where), ranges):
                         pass
                 finally:
@@ -219,7 +220,7 @@ class RemoteTier:
                 pending = []
                 for begin, end, sha in ranges:
                     _readinto_exact(f, view[begin:end], where)
-                    pending.append(hash_pool().submit(check_chunk, view[begin:end], begin, end,
+                    pending.append(_readers().submit(check_chunk, view[begin:end], begin, end,
                                                       sha, where))
                 for future in pending:
                     future.result()
@@ -232,7 +233,7 @@ class RemoteTier:
                 _readinto_exact(f, piece, where)
                 if last is not None:
                     last.result()
-                last = hash_pool().submit(h.update, piece)
+                last = _readers().submit(h.update, piece)
         if last is not None:
             last.result()
         if h.hexdigest() != rec["sha256"]:
@@ -256,7 +257,7 @@ class RemoteTier:
                     begin, end, sha = r
                     scratch = memoryview(np.empty(end - begin, dtype=np.uint8))
                     _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin)
-                for _ in hash_pool().map(one, ranges):
+                for _ in _readers().map(one, ranges):
                     pass
             finally:
                 os.close(fd)
@@ -266,7 +267,7 @@ class RemoteTier:
             for begin, end, sha in ranges:
                 data = memoryview(np.empty(end - begin, dtype=np.uint8))
                 _readinto_exact(f, data, where)
-                pending.append(hash_pool().submit(check_chunk, data, begin, end, sha, where))
+                pending.append(_readers().submit(check_chunk, data, begin, end, sha, where))
                 if len(pending) >= 4:
                     pending.pop(0).result()
             for future in pending:
@@ -353,6 +354,11 @@ class HashingWriter:
         if self._chunks is None:
             raise ValueError("this file was written without chunk digests")
         return self._chunks.record()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """Reads are waited for (a restore, a validation): they hash at the caller's priority."""
+    return hash_pool(background=False)
 
 
 def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
