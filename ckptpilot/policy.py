@@ -269,7 +269,8 @@ _Seconds = Annotated[float, Field(gt=0, le=_MAX_SECONDS)]
 _Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
 """A peer address, ``host:port``."""
 
-CodecName = Literal["raw", "zstd", "byteplane", "xor_delta", "prefix_index", "auto"]
+CodecName = Literal["raw", "zstd", "byteplane", "expplane", "xor_delta", "prefix_index",
+                    "auto"]
 """Names accepted by ``ckptpilot.codecs.get_codec`` (SPEC §5)."""
 
 
