@@ -27,20 +27,27 @@ from ckptpilot.policy import PeerTierPolicy
 from ckptpilot.tiers.peer import PeerRequestError, PeerTier, PeerUnavailable
 from ckptpilot.tiers.peer.daemon import PeerDaemon
 from ckptpilot.tiers.peer.deltas import (
-    SAMPLE_STRIPES,
-    STRIPE_BYTES,
-    DeltaEstimate,
-    delta_pays,
+    BLOCK_BYTES,
+    SAMPLE_BLOCKS,
+    Estimate,
+    blocks_payload,
+    changed_blocks,
+    choose,
+    fold_blocks,
+    parity_blocks_payload,
     sample_ranges,
 )
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import NotEnoughPeers
-from ckptpilot.tiers.peer.parity import shard_size
+from ckptpilot.tiers.peer.parity import parity_of, shard_size, split
 from ckptpilot.tiers.peer.placement import PeerReading, PeerStatus, Placement, rank_peers
 from ckptpilot.tiers.peer.protocol import (
+    BLOCKS,
     PRELUDE,
     VERSION,
+    XOR_DELTA,
     Op,
+    bitmap_bytes,
     call,
     encode_head,
     read_frame,
@@ -253,7 +260,7 @@ def test_daemon_folds_verifies_and_supersedes(small: Daemon) -> None:
     raw_put(ep, run, 1, base.tobytes(), commit_it=True)
     blob = get_codec("xor_delta").encode(shard_tensor(new.view(np.uint8)),
                                          base=shard_tensor(base.view(np.uint8)))
-    delta = {**one_shard_header(run, 2, new.tobytes()), "base_id": 1,
+    delta = {**one_shard_header(run, 2, new.tobytes()), "base_id": 1, "encoding": XOR_DELTA,
              "digest": digest_of(new.tobytes()), "delta_digest": digest_of(blob)}
     damaged = bytearray(blob)
     damaged[len(damaged) // 2] ^= 0x10
@@ -278,7 +285,7 @@ def test_daemon_folds_verifies_and_supersedes(small: Daemon) -> None:
     blob = get_codec("xor_delta").encode(shard_tensor(newer.view(np.uint8)),
                                          base=shard_tensor(new.view(np.uint8)))
     lying = {**one_shard_header(run, 3, newer.tobytes()), "base_id": 2, "digest": "ab" * 16,
-             "delta_digest": digest_of(blob)}
+             "encoding": XOR_DELTA, "delta_digest": digest_of(blob)}
     call(ep, Op.DELTA, lying, [b"{}", blob], timeout_seconds=5)  # accepted, folded later
     with pytest.raises(PeerRequestError, match="fold failed: digest mismatch") as info:
         call(ep, Op.GET, {"run_id": run, "ckpt_id": 3, "shard_index": 0}, timeout_seconds=5,
@@ -781,8 +788,8 @@ def test_two_peers_killed_raise_with_each_reason(cluster: list[Daemon]) -> None:
 
 def test_auto_sends_a_delta_only_where_it_is_estimated_faster(
         cluster: list[Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wire rate is pinned (a measured one depends on this machine); the estimate's
-    ratio does not: unchanged bytes XOR to zeros, random bytes do not compress."""
+    """The wire rate is pinned (a measured one depends on this machine); what the samples
+    find does not: unchanged bytes are unchanged blocks, random bytes change every block."""
     frozen = weights(50_000, seed=11).tobytes()
     noise = np.random.default_rng(12).bytes(len(frozen))
     with tier(cluster, "auto-deltas", deltas="auto") as t:
@@ -790,10 +797,10 @@ def test_auto_sends_a_delta_only_where_it_is_estimated_faster(
         monkeypatch.setattr(t, "_wire_rate", lambda endpoint: 1e3)  # a slow link
         same = t.put(2, frozen, b"m", base=(1, frozen))
         assert (same.delta_shards, same.full_shards) == (4, 0)
-        assert same.bytes_sent < len(frozen) / 10
+        assert same.bytes_sent == 4 * bitmap_bytes(shard_size(len(frozen), 3), BLOCK_BYTES)
         changed = t.put(3, noise, b"m", base=(2, frozen))
         assert (changed.delta_shards, changed.full_shards) == (0, 4)
-        monkeypatch.setattr(t, "_wire_rate", lambda endpoint: 1e15)  # faster than any encoder
+        monkeypatch.setattr(t, "_wire_rate", lambda endpoint: 1e15)  # faster than any compare
         again = t.put(4, noise, b"m", base=(3, noise))
         assert (again.delta_shards, again.full_shards) == (0, 4)
         assert again.endpoints == changed.endpoints == same.endpoints  # the base's holders
@@ -811,40 +818,102 @@ def test_auto_sends_full_shards_until_it_has_measured_the_wire(cluster: list[Dae
         assert (put.delta_shards, put.full_shards) == (0, 4)
 
 
-def test_the_delta_rule_weighs_encode_time_against_the_bytes_it_saves() -> None:
-    # A 1 GB shard; its sample encodes at 1 GB/s to 20 % of its size.
-    est = DeltaEstimate(shard_bytes=10**9, sample_bytes=10**6, encoded_bytes=2 * 10**5,
-                        encode_seconds=1e-3)
+def test_the_delta_rule_weighs_cpu_time_against_the_bytes_saved() -> None:
+    gb = 10**9
+    # A 1 GB shard, its 4 MB sample compared at 10 GB/s; nothing changed.
+    frozen = Estimate(shard_bytes=gb, sample_bytes=4 * 10**6, changed_fraction=0.0,
+                      compare_seconds=4e-4)
     one = {"concurrent": 1, "cores": 8}
-    assert not delta_pays(est, 2e9, **one)  # full 0.5 s; delta 1 s + 0.1 s
-    assert delta_pays(est, 1e8, **one)  # full 10 s; delta 1 s + 2 s
-    assert delta_pays(est, 4e8, concurrent=1, cores=2)  # full 2.5 s; delta 1 s + 0.5 s
-    assert not delta_pays(est, 4e8, concurrent=4, cores=2)  # 4 encoders on 2 cores: 2 + 0.5 s
-    assert not delta_pays(est, None, **one)  # the wire was never measured: full
-    bigger = DeltaEstimate(shard_bytes=10**9, sample_bytes=10**6, encoded_bytes=10**6 + 64,
-                           encode_seconds=1e-3)
-    assert not delta_pays(bigger, 1.0, **one)  # a delta that saves nothing never pays
+    assert choose(frozen, 2e9, **one) == BLOCKS  # full 0.5 s; blocks 0.1 s
+    assert choose(frozen, 20e9, **one) is None  # full 0.05 s: the compare alone is slower
+    assert choose(frozen, 2e9, concurrent=10, cores=2) is None  # 10 compares, 2 cores: 0.5 s
+    # Every block changed; the codec encodes the sample at 1 GB/s to 20 %.
+    moved = Estimate(shard_bytes=gb, sample_bytes=4 * 10**6, changed_fraction=1.0,
+                     compare_seconds=4e-4, xor_ratio=0.2, encode_seconds=4e-3)
+    assert choose(moved, 2e9, **one) is None  # full 0.5 s; xor_delta 1 s + 0.1 s
+    assert choose(moved, 1e8, **one) == XOR_DELTA  # full 10 s; xor_delta 1 s + 2 s
+    assert choose(moved, 4e8, concurrent=1, cores=2) == XOR_DELTA  # 2.5 s; 1 s + 0.5 s
+    assert choose(moved, 4e8, concurrent=4, cores=2) is None  # 4 encoders: 2 s + 0.5 s
+    # Within the margin: 10 % faster is not enough for the CPU it costs on both sides.
+    close = Estimate(shard_bytes=gb, sample_bytes=4 * 10**6, changed_fraction=0.85,
+                     compare_seconds=4e-4)
+    assert choose(close, 1e9, **one) is None  # full 1 s; blocks 0.1 s + 0.85 s
+    for est in (frozen, moved):
+        assert choose(est, None, **one) is None  # the wire was never measured: full
+    # deltas: always: the fewer bytes, whatever the time.
+    assert choose(moved, 20e9, forced=True, **one) == XOR_DELTA
+    assert choose(frozen, 20e9, forced=True, **one) == BLOCKS
+    assert choose(close, None, forced=True, **one) == BLOCKS
 
 
-def test_a_shard_is_sampled_in_aligned_stripes_spread_over_it() -> None:
+def test_a_shard_is_sampled_in_whole_blocks_spread_over_it() -> None:
     assert sample_ranges(4096) == [(0, 4096)]
+    assert sample_ranges(SAMPLE_BLOCKS * BLOCK_BYTES) == [(0, SAMPLE_BLOCKS * BLOCK_BYTES)]
     size = 300 * MiB + 8
     ranges = sample_ranges(size)
-    assert len(ranges) == SAMPLE_STRIPES and ranges[0][0] == 0
-    assert all(lo % 8 == 0 and hi - lo == STRIPE_BYTES for lo, hi in ranges)
-    assert ranges[-1][1] <= size and ranges[-1][1] > size - STRIPE_BYTES - 8
+    assert len(ranges) == SAMPLE_BLOCKS and ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(lo % BLOCK_BYTES == 0 and hi - lo <= BLOCK_BYTES for lo, hi in ranges)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))
 
 
-def test_always_deltas_of_shards_larger_than_the_sample(cluster: list[Daemon]) -> None:
-    """Shards of 4+ MiB are encoded in full where they are sent, the parity's against the
-    XOR of the base's data shards."""
-    old = weights(3 * (SAMPLE_STRIPES * STRIPE_BYTES) // 4 + 999, seed=14)
+def test_a_blocks_delta_carries_the_changed_blocks_and_folds_back() -> None:
+    rng = np.random.default_rng(17)
+    old_image = rng.bytes(3 * 5 * BLOCK_BYTES + 1000)  # the last shard padded
+    new_image = bytearray(old_image)
+    for at in (0, 7 * BLOCK_BYTES + 3, len(new_image) - 1):  # shard 0, shard 1, the tail
+        new_image[at] ^= 0xFF
+    new, old = split(new_image, 3), split(old_image, 3)
+    for i in range(3):
+        changed = changed_blocks(new[i], old[i])
+        bitmap, views = blocks_payload(new[i], changed)
+        payload = np.frombuffer(bitmap + b"".join(v.tobytes() for v in views), np.uint8)
+        folded = fold_blocks(old[i].contiguous(), payload, BLOCK_BYTES)
+        assert folded.tobytes() == new[i].contiguous().tobytes()
+        assert sum(v.size for v in views) == BLOCK_BYTES * int(changed.sum()) - (
+            i == 2) * (6 * BLOCK_BYTES - new[2].size)  # the last block is short
+    assert [int(changed_blocks(n, o).sum()) for n, o in zip(new, old, strict=True)] == [1, 1, 1]
+    union = np.logical_or.reduce([changed_blocks(n, o) for n, o in zip(new, old, strict=True)])
+    digest, bitmap, kept = parity_blocks_payload(new, union)
+    new_parity, old_parity = parity_of(new).contiguous(), parity_of(old).contiguous()
+    assert digest == digest_of(new_parity)
+    payload = np.frombuffer(bitmap + b"".join(k.tobytes() for k in kept), np.uint8)
+    assert fold_blocks(old_parity, payload, BLOCK_BYTES).tobytes() == new_parity.tobytes()
+    with pytest.raises(ValueError, match="marks 65536 bytes of changed blocks, it carries 3"):
+        fold_blocks(old[0].contiguous(), np.frombuffer(b"\x01" + b"abc", np.uint8),
+                    BLOCK_BYTES)
+    with pytest.raises(ValueError, match="marks blocks past the shard's 6"):
+        fold_blocks(old[0].contiguous(), np.frombuffer(b"\x80", np.uint8), BLOCK_BYTES)
+
+
+def test_always_sends_blocks_where_they_carry_fewer_bytes(cluster: list[Daemon]) -> None:
+    """Shards of 80 blocks (sampled); a quarter of each rewritten with random bytes, which no
+    codec shrinks: every shard, the parity too, goes as its changed blocks."""
+    rng = np.random.default_rng(18)
+    shard = 80 * BLOCK_BYTES
+    old = rng.bytes(3 * shard)
+    new = bytearray(old)
+    for i in range(3):
+        new[i * shard:i * shard + 20 * BLOCK_BYTES] = rng.bytes(20 * BLOCK_BYTES)
+    with tier(cluster, "blocks-deltas") as t:
+        t.put(1, old, b"m")
+        put = t.put(2, bytes(new), b"m", base=(1, old))
+        assert (put.delta_shards, put.full_shards) == (4, 0)
+        assert put.bytes_sent == 4 * (20 * BLOCK_BYTES + bitmap_bytes(shard, BLOCK_BYTES))
+        got = t.fetch()
+        assert got.ckpt_id == 2 and bytes(got.image) == bytes(new)
+
+
+def test_always_sends_xor_deltas_where_every_block_moved_a_little(
+        cluster: list[Daemon]) -> None:
+    """Shards of 100+ blocks (sampled), every float nudged: the codec's delta, encoded where
+    it is sent, the parity's against the XOR of the base's data shards."""
+    old = weights(3 * 100 * BLOCK_BYTES // 4 + 999, seed=14)
     new = old.copy()
     new[::3] += np.float32(1e-3)
-    with tier(cluster, "big-deltas") as t:
-        t.put(1, old.tobytes(), b"m")
+    with tier(cluster, "xor-deltas") as t:
+        first = t.put(1, old.tobytes(), b"m")
         put = t.put(2, new.tobytes(), b"m", base=(1, old.tobytes()))
         assert (put.delta_shards, put.full_shards) == (4, 0)
+        assert put.bytes_sent < first.bytes_sent
         got = t.fetch()
         assert got.ckpt_id == 2 and bytes(got.image) == new.tobytes()

@@ -54,6 +54,7 @@ def shard_header(op: Op = Op.PUT, *, meta: bytes = b"{}", size: int = 16) -> dic
         header["base_id"] = 6
         header["digest"] = digest_of(bytes(range(size)))
         header["delta_digest"] = digest_of(b"delta")
+        header["encoding"] = "xor_delta"
     return header
 
 
@@ -244,6 +245,25 @@ def test_delta_must_carry_a_delta_after_the_meta() -> None:
         del header[field]
         with pytest.raises(ProtocolError, match=f"missing field '{field}'"):
             validate_header(Op.DELTA, header, 100)
+
+
+@pytest.mark.parametrize(("change", "body", "match"), [
+    ({"encoding": "zip"}, 100, "field 'encoding' is invalid"),
+    ({"encoding": "blocks"}, 100, "block_bytes must be a power of two"),
+    ({"encoding": "blocks", "block_bytes": 3 << 12}, 100, "block_bytes must be a power of two"),
+    ({"encoding": "blocks", "block_bytes": 1 << 10}, 100, "block_bytes must be a power of two"),
+    ({"encoding": "blocks", "block_bytes": 4096, "shard_size": 65536}, 1,
+     "DELTA of 1 bytes after the meta cannot be a bitmap of 2 bytes"),
+    ({"encoding": "blocks", "block_bytes": 4096, "shard_size": 65536}, 65536 + 3,
+     "and at most shard_size 65536 bytes of changed blocks"),
+])
+def test_a_delta_declares_an_encoding_that_fits_its_size(change: dict[str, object], body: int,
+                                                         match: str) -> None:
+    header = {**shard_header(Op.DELTA), **change}
+    with pytest.raises(ProtocolError, match=match):
+        validate_header(Op.DELTA, header, 2 + body)
+    if "block_bytes" in change and "shard_size" in change:
+        validate_header(Op.DELTA, header, 2 + 2 + 4096)  # the bitmap and one block
 
 
 def test_a_commit_carries_the_stripe_of_digests() -> None:

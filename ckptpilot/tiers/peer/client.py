@@ -66,7 +66,16 @@ import torch
 from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
-from ckptpilot.tiers.peer.deltas import delta_pays, estimate, gather, sample_ranges
+from ckptpilot.tiers.peer.deltas import (
+    BLOCK_BYTES,
+    blocks_payload,
+    changed_blocks,
+    choose,
+    estimate,
+    gather,
+    parity_blocks_payload,
+    sample_ranges,
+)
 from ckptpilot.tiers.peer.digest import digest_of, digest_of_pieces, is_digest
 from ckptpilot.tiers.peer.errors import (
     NotEnoughPeers,
@@ -77,7 +86,9 @@ from ckptpilot.tiers.peer.errors import (
 from ckptpilot.tiers.peer.parity import Shard, as_bytes, parity_chunks, parity_of, split
 from ckptpilot.tiers.peer.placement import PeerStatus, Placement, describe_failure
 from ckptpilot.tiers.peer.protocol import (
+    BLOCKS,
     MAX_META_BYTES,
+    XOR_DELTA,
     Body,
     Buffer,
     Connections,
@@ -167,13 +178,33 @@ class _Stripe:
         return self.committed and (not lost or (has_parity and len(lost) == 1))
 
 
+class _Masks:
+    """The changed-block masks of one put's data shards against the base's, each computed
+    once by whichever shard's thread needs it first (a ``blocks`` parity needs them all)."""
+
+    def __init__(self, data: Sequence[Shard], old: Sequence[Shard]) -> None:
+        self._data, self._old = data, old
+        self._locks = [threading.Lock() for _ in data]
+        self._masks: list[np.ndarray | None] = [None] * len(data)
+
+    def get(self, index: int) -> np.ndarray:
+        with self._locks[index]:
+            mask = self._masks[index]
+            if mask is None:
+                mask = self._masks[index] = changed_blocks(self._data[index], self._old[index])
+            return mask
+
+
 @dataclass(frozen=True)
 class _DeltaPlan:
-    """A shard to send as a delta against the same shard of ``base_id``: ``old`` are the
-    base's data shards; ``blob`` the delta when the estimate already encoded all of it."""
+    """A shard to send as a delta of ``encoding`` against the same shard of ``base_id``:
+    ``old`` are the base's data shards; ``blob`` the ``xor_delta`` payload when the estimate
+    already encoded all of it."""
 
     base_id: int
     old: list[Shard]
+    masks: _Masks
+    encoding: str
     blob: list[Buffer] | None
 
 
@@ -385,24 +416,47 @@ class PeerTier:
     def _plan_deltas(
         self, base: tuple[int, Buffer], data: Sequence[Shard], holders: dict[int, str]
     ) -> list[_DeltaPlan | None]:
-        """Which shards go as deltas to the holders of the base (see ``deltas``): with
-        ``auto``, each shard's sample is encoded here, before any transfer starts, so the
-        estimates do not compete with the transfers for the CPU."""
+        """Which shards go as deltas to the holders of the base, and as which kind (see
+        ``deltas``): each shard's sample is measured here, before any transfer starts, so
+        the estimates do not compete with the transfers for the CPU."""
         old = split(base[1], self.data_shards)
+        masks = _Masks(data, old)
         ranges = sample_ranges(data[0].size)
         plans: list[_DeltaPlan | None] = [None] * self.shard_count
         for i, endpoint in holders.items():
             sources = [i] if i < self.data_shards else list(range(self.data_shards))
-            if self.deltas == "always" and len(ranges) > 1:  # no estimate needed
-                plans[i] = _DeltaPlan(base[0], old, None)
-                continue
             est = estimate(self._codec, gather([data[j] for j in sources], ranges),
                            gather([old[j] for j in sources], ranges), data[0].size)
-            if self.deltas == "always" or delta_pays(
-                    est, self._wire_rate(endpoint), concurrent=len(holders),
-                    cores=os.cpu_count() or 1):
-                plans[i] = _DeltaPlan(base[0], old, est.blob)
+            kind = choose(est, self._wire_rate(endpoint), concurrent=len(holders),
+                          cores=os.cpu_count() or 1, forced=self.deltas == "always")
+            if kind is not None:
+                plans[i] = _DeltaPlan(base[0], old, masks, kind,
+                                      est.xor_blob if kind == XOR_DELTA else None)
         return plans
+
+    def _delta_payload(
+        self, index: int, data: Sequence[Shard], plan: _DeltaPlan
+    ) -> tuple[str, list[Buffer], dict[str, Any]]:
+        """The new shard's digest, the DELTA payload after the meta, and its header fields.
+        ``blocks`` of a data shard are views of the image; of the parity, the changed
+        blocks of the data shards (a block of the parity can only change where one of
+        theirs did) cut from one streamed pass of the parity, which also digests it."""
+        n = self.data_shards
+        if plan.encoding == BLOCKS:
+            fields = {"encoding": BLOCKS, "block_bytes": BLOCK_BYTES}
+            if index < n:
+                bitmap, views = blocks_payload(data[index], plan.masks.get(index))
+                return digest_of_pieces(data[index].pieces), [bitmap, *views], fields
+            changed = np.logical_or.reduce([plan.masks.get(j) for j in range(n)])
+            digest, bitmap, views = parity_blocks_payload(data, changed)
+            return digest, [bitmap, *views], fields
+        new = data[index] if index < n else parity_of(data)
+        blob = plan.blob
+        if blob is None:
+            old = plan.old[index] if index < n else parity_of(plan.old)
+            blob = self._codec.encode_parts(shard_tensor(new.contiguous()),
+                                            base=shard_tensor(old.contiguous()))
+        return digest_of_pieces(new.pieces), blob, {"encoding": XOR_DELTA}
 
     def _wire_rate(self, endpoint: str) -> float | None:
         """Measured bytes/s of full shard transfers to ``endpoint`` (else the mean over the
@@ -438,19 +492,13 @@ class PeerTier:
         index = header["shard_index"]
         reasons: list[str] = []
         if endpoint is not None and plan is not None:
-            new = (data[index] if index < self.data_shards else parity_of(data)).contiguous()
-            blob = plan.blob
-            if blob is None:
-                old = plan.old
-                base_shard = old[index] if index < self.data_shards else parity_of(old)
-                blob = self._codec.encode_parts(shard_tensor(new),
-                                                base=shard_tensor(base_shard.contiguous()))
-            digest = digest_of(new)
-            delta_header = {**header, "base_id": plan.base_id, "digest": digest,
-                            "delta_digest": digest_of_pieces(blob)}
-            try:  # the blob's parts are sent as they are: joining them would copy the shard
-                self._request(endpoint, Op.DELTA, delta_header, [meta, *blob])
-                return _Placed(endpoint, sum(memoryview(p).nbytes for p in blob), True, digest)
+            digest, payload, fields = self._delta_payload(index, data, plan)
+            delta_header = {**header, **fields, "base_id": plan.base_id, "digest": digest,
+                            "delta_digest": digest_of_pieces(payload)}
+            try:  # the payload's parts are sent as they are: joining them would copy them
+                self._request(endpoint, Op.DELTA, delta_header, [meta, *payload])
+                return _Placed(endpoint, sum(memoryview(p).nbytes for p in payload), True,
+                               digest)
             except PeerRequestError as e:
                 if e.code != "no_base":
                     reasons.append(f"@{endpoint}: {e.message}")

@@ -15,7 +15,8 @@ Lifecycle: :class:`PeerDaemon` binds in ``__init__`` (``port=0`` picks a free po
 finish, idle connections close, then the call returns.
 
 Threading: connection threads read, verify and answer requests; a small pool folds deltas
-(``new = decode(delta, base=old)``, then the digest the client announced is checked); a
+(``new = decode(delta, base=old)`` for ``xor_delta``, a copy of the base with the changed
+blocks written over it for ``blocks``; then the digest the client announced is checked); a
 reaper thread frees runs whose lease ran out. Shared state lives in :class:`ShardStore`.
 
 Zero copy: a shard is received with ``recv_into`` straight into the array that then holds
@@ -45,10 +46,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptpilot.tiers.peer.deltas import fold_blocks
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import ProtocolError
 from ckptpilot.tiers.peer.placement import describe_failure
 from ckptpilot.tiers.peer.protocol import (
+    BLOCKS,
     Head,
     Op,
     discard_payload,
@@ -268,19 +271,25 @@ class PeerDaemon:
             send_error(sock, "no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
                        f"run {run!r} was dropped meanwhile; send the full shard")
             return
-        self._folds.submit(self._fold, entry, base, frame.payload)
+        self._folds.submit(self._fold, entry, base, frame.payload, h["encoding"],
+                           h.get("block_bytes", 0))
         send_frame(sock, Op.OK, {"folding": True})
 
-    def _fold(self, entry: Entry, base: Entry, delta: np.ndarray) -> None:
-        """``new = decode(delta, base)``, verified against the announced digest."""
+    def _fold(
+        self, entry: Entry, base: Entry, delta: np.ndarray, encoding: str, block_bytes: int
+    ) -> None:
+        """``new = base + delta`` (by ``encoding``), verified against the announced digest."""
         data, error = None, None
         try:
             if not base.ready.wait(self.fold_wait_seconds):
                 raise TimeoutError("its base is still folding")
             if base.data is None:
                 raise ValueError(f"its base failed: {base.error}")
-            out = self._codec.decode(delta, base=shard_tensor(base.data))
-            data = out.view(torch.uint8).numpy()
+            if encoding == BLOCKS:
+                data = fold_blocks(base.data, delta, block_bytes)
+            else:
+                out = self._codec.decode(delta, base=shard_tensor(base.data))
+                data = out.view(torch.uint8).numpy()
             if data.size != entry.info["shard_size"]:
                 raise ValueError(f"delta decoded to {data.size} bytes, expected "
                                  f"{entry.info['shard_size']}")

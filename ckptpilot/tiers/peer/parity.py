@@ -86,6 +86,16 @@ class Shard:
         a joined copy (delta codecs need one array)."""
         return self.pieces[0] if len(self.pieces) == 1 else np.concatenate(self.pieces)
 
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """Shard bytes ``[lo, hi)`` as one array: a view when they lie in one piece (all but
+        the few bytes where the image ends and the padding starts), else a joined copy."""
+        pieces = self.pieces_of(lo, hi)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def pieces_of(self, lo: int, hi: int) -> list[np.ndarray]:
+        """Shard bytes ``[lo, hi)`` as views of its pieces, in order."""
+        return [piece for _, piece in self._ranges(lo, hi)]
+
     def take(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
         """The bytes of ``ranges`` (offsets into the shard), joined into one array."""
         return np.concatenate([p for lo, hi in ranges for _, p in self._ranges(lo, hi)])

@@ -14,8 +14,11 @@ A frame is a fixed little-endian prelude, a UTF-8 JSON object header and a binar
 Shard-carrying frames (PUT, DELTA and the reply to GET) put the checkpoint's meta first in
 the payload and the shard (or its encoded delta) after it; ``meta_len`` in the header says
 where the meta ends, so the meta never has to be base64-encoded into the header. A DELTA's
-shard part is a ``ckptpilot.codecs`` ``xor_delta`` blob of the new shard against the base
-shard, both viewed as :data:`DELTA_DTYPE`. Digests are XXH3-128 (see ``digest``): every
+shard part is, by its ``encoding``: :data:`XOR_DELTA`, a ``ckptpilot.codecs`` ``xor_delta``
+blob of the new shard against the base shard, both viewed as :data:`DELTA_DTYPE`; or
+:data:`BLOCKS`, a bitmap of the shard's ``block_bytes`` blocks that changed (bit ``i % 8``
+of byte ``i // 8`` for block ``i``, unused bits zero) followed by the new bytes of those
+blocks in order. Digests are XXH3-128 (see ``digest``): every
 shard-carrying header has ``meta_digest``; a PUT's payload ends with a
 :data:`TRAILER_BYTES`-byte trailer, the digest of the shard, which the sender computes as the
 shard goes out (so sending starts at once, without a pass over the shard first); a DELTA
@@ -94,9 +97,14 @@ class Op(enum.IntEnum):
 
 
 DELTA_DTYPE = torch.float32
-"""DELTA payloads are ``xor_delta`` blobs of the shard viewed as this type (see
+"""``xor_delta`` DELTA payloads are blobs of the shard viewed as this type (see
 :func:`shard_tensor`): checkpoints are mostly float32 weights and moments, whose
 sign/exponent byte is where a delta compresses."""
+XOR_DELTA = "xor_delta"
+BLOCKS = "blocks"
+DELTA_ENCODINGS = (XOR_DELTA, BLOCKS)
+MIN_BLOCK_BYTES = 4 << 10
+MAX_BLOCK_BYTES = 64 << 20
 
 SHARD_KINDS = ("data", "parity")
 _META_OPS = (Op.PUT, Op.DELTA, Op.OK)
@@ -182,7 +190,7 @@ _SHARD_FIELDS: dict[str, Callable[[object], bool]] = {
 _FIELDS: dict[Op, dict[str, Callable[[object], bool]]] = {
     Op.PUT: _SHARD_FIELDS,
     Op.DELTA: {**_SHARD_FIELDS, "base_id": _int(0), "digest": is_digest,
-               "delta_digest": is_digest},
+               "delta_digest": is_digest, "encoding": lambda v: v in DELTA_ENCODINGS},
     Op.COMMIT: {"run_id": _run_id, "ckpt_id": _int(0), "lease_seconds": _positive_number,
                 "stripe": _stripe},
     Op.GET: {"run_id": _run_id, "ckpt_id": _int(0), "shard_index": _int(0)},
@@ -238,6 +246,23 @@ def _check_shard_header(op: Op, h: dict[str, Any], payload_len: int) -> None:
     if op is Op.DELTA and payload_len <= h["meta_len"]:
         raise ProtocolError(f"DELTA payload of {payload_len} bytes holds no delta after "
                             f"meta_len {h['meta_len']}")
+    if op is Op.DELTA and h["encoding"] == BLOCKS:
+        block = h.get("block_bytes")
+        if not (_int(MIN_BLOCK_BYTES, MAX_BLOCK_BYTES)(block) and block & (block - 1) == 0):
+            raise ProtocolError(f"DELTA: block_bytes must be a power of two in "
+                                f"{MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}, got {block!r:.200}")
+        bitmap = bitmap_bytes(h["shard_size"], block)
+        body = payload_len - h["meta_len"]
+        if not bitmap <= body <= bitmap + h["shard_size"]:
+            raise ProtocolError(f"DELTA of {body} bytes after the meta cannot be a bitmap of "
+                                f"{bitmap} bytes and at most shard_size {h['shard_size']} bytes "
+                                "of changed blocks")
+
+
+def bitmap_bytes(shard_size: int, block_bytes: int) -> int:
+    """Bytes of a ``blocks`` delta's bitmap: one bit per block of the shard."""
+    blocks = -(-shard_size // block_bytes)
+    return -(-blocks // 8)
 
 
 def shard_tensor(shard: np.ndarray) -> torch.Tensor:
