@@ -28,7 +28,9 @@ from ckptpilot.tiers.peer import PeerRequestError, PeerTier, PeerUnavailable
 from ckptpilot.tiers.peer.daemon import PeerDaemon
 from ckptpilot.tiers.peer.deltas import (
     BLOCK_BYTES,
+    MIN_SAMPLE_BLOCKS,
     SAMPLE_BLOCKS,
+    SAMPLE_SHARE,
     Estimate,
     blocks_payload,
     changed_blocks,
@@ -848,7 +850,10 @@ def test_the_delta_rule_weighs_cpu_time_against_the_bytes_saved() -> None:
 
 def test_a_shard_is_sampled_in_whole_blocks_spread_over_it() -> None:
     assert sample_ranges(4096) == [(0, 4096)]
-    assert sample_ranges(SAMPLE_BLOCKS * BLOCK_BYTES) == [(0, SAMPLE_BLOCKS * BLOCK_BYTES)]
+    small = MIN_SAMPLE_BLOCKS * BLOCK_BYTES
+    assert sample_ranges(small) == [(0, small)]
+    assert len(sample_ranges(small + 8)) == MIN_SAMPLE_BLOCKS
+    assert len(sample_ranges(20 * SAMPLE_SHARE * BLOCK_BYTES)) == 20  # 1 block in 64
     size = 300 * MiB + 8
     ranges = sample_ranges(size)
     assert len(ranges) == SAMPLE_BLOCKS and ranges[0][0] == 0 and ranges[-1][1] == size

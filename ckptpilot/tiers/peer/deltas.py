@@ -18,10 +18,10 @@ Two delta encodings (the DELTA frame's ``encoding``):
   at the codec's speed: it pays on a slow link.
 
 Why per shard and from a sample: a delta trades CPU for bytes on the wire, and whether that
-pays depends on how much of the shard moved and on the link. :data:`SAMPLE_BLOCKS` blocks
-spread over the shard are compared (and, when some changed, encoded) to measure the changed
+pays depends on how much of the shard moved and on the link. Blocks spread over the shard
+(:func:`sample_ranges`) are compared (and, when some changed, encoded) to measure the changed
 fraction ``f``, the codec's ratio ``r`` and this CPU's compare and encode rates ``c`` and
-``e``, now, for about 1 % of a large shard's bytes.
+``e``, now, for 1-2 % of a large shard's bytes.
 
 The rule (:func:`choose`), per shard of ``S`` bytes, with the wire's measured rate ``w``
 (bytes/s per shard transfer while a put's shards travel in parallel) and the rates shared by
@@ -48,6 +48,11 @@ from ckptpilot.tiers.peer.protocol import BLOCKS, XOR_DELTA, Buffer, shard_tenso
 
 BLOCK_BYTES = 64 << 10
 SAMPLE_BLOCKS = 64
+MIN_SAMPLE_BLOCKS = 8
+SAMPLE_SHARE = 64
+"""A shard of ``n`` blocks is sampled in ``n // SAMPLE_SHARE`` blocks (at least
+:data:`MIN_SAMPLE_BLOCKS`, at most :data:`SAMPLE_BLOCKS`): the estimate costs a few percent of
+sending the shard at most."""
 DELTA_MARGIN = 0.8
 
 
@@ -68,11 +73,13 @@ class Estimate:
 
 def sample_ranges(size: int) -> list[tuple[int, int]]:
     """Block-aligned byte ranges of a shard of ``size`` bytes to sample: the whole shard when
-    it has at most :data:`SAMPLE_BLOCKS` blocks, else that many blocks evenly spread."""
+    it has at most :data:`MIN_SAMPLE_BLOCKS` blocks, else that many or more blocks (see
+    :data:`SAMPLE_SHARE`) evenly spread, the first and the last among them."""
     n_blocks = -(-size // BLOCK_BYTES)
-    if n_blocks <= SAMPLE_BLOCKS:
+    if n_blocks <= MIN_SAMPLE_BLOCKS:
         return [(0, size)]
-    picks = [i * (n_blocks - 1) // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+    k = min(SAMPLE_BLOCKS, max(MIN_SAMPLE_BLOCKS, n_blocks // SAMPLE_SHARE))
+    picks = [i * (n_blocks - 1) // (k - 1) for i in range(k)]
     return [(b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, size)) for b in picks]
 
 
