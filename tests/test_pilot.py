@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sqlite3
@@ -153,8 +154,11 @@ def test_background_failure_surfaces_on_the_next_observe(tmp_path: Path) -> None
         for _ in range(50):
             time.sleep(0.01)
             job.step()
-    with pytest.raises(RuntimeError, match="closed"):
+    # Saves queued after the failing one (a slow or niced writer thread lets training run
+    # ahead) fail the same way; close() raises the first of them.
+    with contextlib.suppress(CheckpointWriteError):
         job.pilot.close()
+    with pytest.raises(RuntimeError, match="closed"):
         job.step()
 
 
