@@ -26,7 +26,9 @@ as in bench/stall.py) and its snapshot arena (what the pilot puts), with N = 3:
 Everything runs on one host over loopback: the client, five daemons and the disk share the
 same cores and memory bus, so the peer figures are the CPU, memory and loopback cost of the
 protocol (digests, parity, socket copies), not a network's. The CPU seconds of this process
-and of the daemons are counted per operation. Times are medians over ``--repeats``.
+and of the daemons are counted per operation. Times are medians over ``--repeats``, after
+one untimed put, fetch and drop (the memory of a VM that backs guest pages lazily costs
+several times more on its first write).
 
 Usage: ``.venv/bin/python bench/peer.py [--gb 1.0 | --quick] [--repeats 3] [--dir DIR]``
 (``--quick`` is ``--gb 0.1``).
@@ -393,6 +395,14 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         print(f"state: {layout.layers} x Linear({layout.width}, {layout.width}) fp32 + AdamW "
               f"exp_avg/exp_avg_sq = {layout.params / 1e6:.1f} M params, {gb(nbytes)}; "
               f"image: the snapshot arena, {gb(image1.size)}, + {len(meta1)} bytes of meta")
+
+        # Warm-up, untimed: on a VM that backs guest memory lazily, the first bytes a process
+        # ever writes cost several times more; a daemon that has served a while has its
+        # memory. One full put, fetch and drop does that for the daemons and this process.
+        with tier(endpoints, "bench-warm-up") as t:
+            t.put(0, image1, meta1)
+            t.fetch(0)
+        drop_run(endpoints, "bench-warm-up")
 
         # 1. References.
         wire = Row("loopback TCP, 1 stream, process to process (reference)", image1.size)

@@ -1,21 +1,23 @@
 """The peer tier's client: put a checkpoint image as N data shards + 1 XOR parity shard in the
 memory of N+1 peers, and fetch it back, surviving the loss of any one (SPEC §6).
 
-Owns: striping and placing shards, choosing between full shards and per-shard XOR deltas,
+Owns: striping and placing shards, choosing between full shards and per-shard deltas,
 committing, discovering what peers hold (LIST), fetching with digest checks and parity
 rebuild, and renewing the run's lease. Must not: interpret the image or the meta (the pilot's
 container format does), or fall back to other tiers (it raises :class:`PeerUnavailable`).
 
-Delta puts: ``put(c, image, meta, base=(b, base_image))`` may send a shard as the XOR delta
-against the same shard of ``b`` to the peer that holds it (XOR parity is linear, so the
-parity peer gets the delta of the parity); with ``deltas: auto`` only the shards whose
-delta is estimated faster than the full shard on the measured wire (``deltas``). The peer
-folds it into its copy of ``b`` in the background, so every holder keeps one full state
-and a fetch reads exactly N shards, never a chain. A peer that no longer has the base
+Delta puts: ``put(c, image, meta, base=(b, base_image))`` may send a shard as a delta
+against the same shard of ``b`` to the peer that holds it: its changed blocks, or the
+codec's XOR delta (``deltas`` says which, and when: with ``deltas: auto`` only where a
+delta is estimated faster than the full shard on the measured wire). The parity peer gets
+the delta of the parity (its changed blocks lie where the data shards' did; XOR parity is
+linear). The peer folds it into its copy of ``b`` in the background, so every holder keeps
+one full state and a fetch reads exactly N shards, never a chain. A peer that no longer has the base
 (restarted empty) gets the full shard; one that cannot be reached is replaced by a newly
 chosen peer, which gets the full shard.
 
-Commit: once every shard is acknowledged, COMMIT goes to every reachable endpoint. Holders
+Commit: once every shard is acknowledged, COMMIT (with the stripe: every shard's digest)
+goes to every reachable endpoint. Holders
 of the new checkpoint then drop the run's older states (after their folds succeed); other
 peers drop stale copies of the run. A put that fails half-way is never committed, so the
 previous committed checkpoint stays recoverable.
@@ -33,12 +35,13 @@ Images: :class:`PeerCheckpointTier` is one rank's view of a :class:`PeerTier` as
 :class:`~ckptpilot.tiers.base.CheckpointTier`. Its image is the snapshot's arena, striped as
 it is, with the meta of ``format.image`` (:class:`~ckptpilot.format.image.ImageMeta`).
 
-Integrity and speed: every shard carries the XXH3-128 digests of its stripe (what they
-guarantee: ``digest``). A put digests and XORs the parity in one pass over the image, then
-sends every shard in parallel straight from the image's memory; a fetch receives every
-shard in parallel (one request per peer) straight into its place in one fresh image,
-digesting each piece as it lands, and fetches the parity alongside when a shard is known to
-be lost, so a rebuild costs one XOR pass more than an intact fetch.
+Integrity and speed: every shard is checked against its XXH3-128 digest wherever it lands
+(what that guarantees: ``digest``). A put sends every shard in parallel straight from the
+image's memory, digesting each chunk as it goes (the parity XORed a chunk at a time into
+one reused buffer); a fetch receives every shard in parallel (one request per peer)
+straight into its place in one fresh image, digesting each piece as it lands, and fetches
+the parity alongside when a shard is known to be lost, so a rebuild costs one XOR pass
+more than an intact fetch.
 
 Threading: ``put`` and ``fetch`` may be called from one thread at a time each (the pilot's
 background writer, the restoring thread); they spread their transfers over an internal

@@ -15,12 +15,10 @@ Lifecycle: :class:`PeerDaemon` binds in ``__init__`` (``port=0`` picks a free po
 finish, idle connections close, then the call returns.
 
 Threading: connection threads read, verify and answer requests; a small pool folds deltas
-(``new = decode(delta, base=old)`` for ``xor_delta``, a copy of the base with the changed
-blocks written over it for ``blocks``; then the digest the client announced is checked); a
-reaper thread frees runs whose lease ran out. Shared state lives in :class:`ShardStore`.
-
-Zero copy: a shard is received with ``recv_into`` straight into the array that then holds
-it (digested piece by piece as it lands), and sent back on GET straight from that array.
+(``decode(delta, base=old)``, or the base with the changed ``blocks`` written over it; then
+the digest the client announced is checked); a reaper thread frees runs whose lease ran
+out. Shared state lives in :class:`ShardStore`. Zero copy: a shard is received straight into
+the array that then holds it (digested as it lands) and sent on GET straight from there.
 
 A malformed frame (garbage, truncated, oversized, unparseable) gets an ERR reply naming the
 fault and closes that connection only, with one logged line; a request that fails on a bug
