@@ -37,9 +37,9 @@ def _die() -> None:
 def _inject_kill_in_save(step: int, point: str) -> None:
     prefix = archive.checkpoint_name(step, 0)
     if point == "tensors":
-        original = RemoteTier.write_file
+        original = RemoteTier.write_record
 
-        def write_file(self: RemoteTier, relpath: str, chunks):  # type: ignore[no-untyped-def]
+        def write_record(self: RemoteTier, relpath: str, chunks, **kw):  # type: ignore[no-untyped-def]
             if relpath.startswith(prefix) and relpath.endswith(archive.TENSORS_FILE):
                 def dying(source):  # type: ignore[no-untyped-def]
                     for i, chunk in enumerate(source):
@@ -47,14 +47,14 @@ def _inject_kill_in_save(step: int, point: str) -> None:
                         if i == 2:
                             _die()
                 chunks = dying(chunks)
-            return original(self, relpath, chunks)
+            return original(self, relpath, chunks, **kw)
 
-        RemoteTier.write_file = write_file  # type: ignore[method-assign]
+        RemoteTier.write_record = write_record  # type: ignore[method-assign]
         original_open = RemoteTier.open_write
 
         @contextlib.contextmanager
-        def open_write(self: RemoteTier, relpath: str):  # type: ignore[no-untyped-def]
-            with original_open(self, relpath) as out:
+        def open_write(self: RemoteTier, relpath: str, **kw):  # type: ignore[no-untyped-def]
+            with original_open(self, relpath, **kw) as out:
                 if relpath.startswith(prefix) and relpath.endswith(archive.CONTAINER_FILE):
                     write, calls = out.write, itertools.count()
 
