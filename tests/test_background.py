@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,8 @@ def test_the_load_test_worker_runs_niced() -> None:
     try:
         checker.start()
         proc = checker._worker()  # waits until it is ready
-        fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
         assert int(fields[16]) >= BACKGROUND_NICE  # field 19 of stat: nice
     finally:
         checker.close()

@@ -14,7 +14,7 @@ from ckptpilot.cli import main
 
 def ckptpilot(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptpilot", *args], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+                          text=True, timeout=1200, cwd=cwd)
 
 
 @pytest.mark.crash
