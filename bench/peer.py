@@ -17,11 +17,14 @@ as in bench/stall.py) and its snapshot arena (what the pilot puts), with N = 3:
    and sends in full where a delta would be slower); bytes sent, shards sent as deltas,
    seconds until ``put`` returned, and seconds more until the daemons had folded;
 4. recovery of the last state: ``PeerTier.fetch`` from a fresh ``PeerTier`` (timed from its
-   construction, as a restarted process pays it) with every peer up, then with the holder of
-   data shard 0 SIGKILLed (its shard rebuilt from parity); against ``read_organ`` of the same
-   state from the local disk (reads and SHA256-checks every byte) with a cold page cache
-   (``sync`` + ``drop_caches`` before each read, when this process may) and a warm one. Every
-   recovered state is compared bit for bit with the saved arena once (untimed).
+   construction, as a restarted process pays it) with every peer up, into a fresh image (as
+   a restarted process has no buffer yet) and into a buffer the caller reuses (the
+   destination a restore could hand over: memory already mapped, as the loopback reference
+   receives into), then with the holder of data shard 0 SIGKILLed (its shard rebuilt from
+   parity); against ``read_organ`` of the same state from the local disk (reads and
+   SHA256-checks every byte) with a cold page cache (``sync`` + ``drop_caches`` before each
+   read, when this process may) and a warm one. Every recovered state is compared bit for bit
+   with the saved arena once (untimed).
 
 Everything runs on one host over loopback: the client, five daemons and the disk share the
 same cores and memory bus, so the peer figures are the CPU, memory and loopback cost of the
@@ -42,6 +45,7 @@ import ctypes
 import datetime
 import gc
 import hashlib
+import inspect
 import logging
 import math
 import os
@@ -240,13 +244,20 @@ class Clock:
         return Sample(seconds, c1 - c0, d1 - d0), out
 
 
-def loopback(nbytes: int, repeats: int) -> list[float]:
-    """Seconds to move ``nbytes`` over one loopback TCP connection from another process
-    (``sendall`` there, ``recv_into`` a touched buffer here), per repeat."""
+def loopback(nbytes: int, repeats: int) -> list[Sample]:
+    """Moving ``nbytes`` over one loopback TCP connection from another process (``sendall``
+    there, ``recv_into`` a touched buffer here), per repeat: seconds, and the CPU seconds of
+    the receiver (``client``) and of the sender (``daemon``)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         sender = subprocess.Popen([sys.executable, "-c", _LOOPBACK_SENDER, str(nbytes),
                                    str(listener.getsockname()[1])],
                                   preexec_fn=_die_with_parent)  # noqa: PLW1509
+        them, me = psutil.Process(sender.pid), psutil.Process()
+
+        def cpu() -> tuple[float, float]:
+            a, b = me.cpu_times(), them.cpu_times()
+            return a.user + a.system, b.user + b.system
+
         try:
             conn, _ = listener.accept()
             dest = np.ones(nbytes, dtype=np.uint8)
@@ -254,15 +265,17 @@ def loopback(nbytes: int, repeats: int) -> list[float]:
             out = []
             with conn:
                 for _ in range(repeats):
-                    t0 = time.perf_counter()
+                    (c0, s0), t0 = cpu(), time.perf_counter()
                     conn.sendall(b"g")
                     got = 0
                     while got < nbytes:
-                        n = conn.recv_into(view[got:])
+                        n = conn.recv_into(view[got:got + (1 << 20)])
                         if n == 0:
                             raise RuntimeError("the loopback sender closed early")
                         got += n
-                    out.append(time.perf_counter() - t0)
+                    seconds = time.perf_counter() - t0
+                    c1, s1 = cpu()
+                    out.append(Sample(seconds, c1 - c0, s1 - s0))
                 conn.sendall(b"q")
         finally:
             sender.wait(30)
@@ -406,7 +419,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
 
         # 1. References.
         wire = Row("loopback TCP, 1 stream, process to process (reference)", image1.size)
-        wire.samples = [Sample(s, 0.0, 0.0) for s in loopback(image1.size, repeats)]
+        wire.samples = loopback(image1.size, repeats)
         sha_gbs, xxh_gbs = hash_speeds(image1)
         print(f"one thread over the image: SHA256 {sha_gbs:.2f} GB/s, XXH3-128 {xxh_gbs:.2f} "
               "GB/s")
@@ -444,10 +457,13 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
                                 base=(base.step, arena_of(base))))
                     folds.append(wait_folded(endpoints, run_id, new.step))
                     row.samples.append(sample)
-                    kinds.append(f"{result.delta_shards}d+{result.full_shards}f "
-                                 f"{gb(result.bytes_sent)}")
+                    # Checkouts before the encodings field counted shards only.
+                    how = ("/".join(getattr(result, "encodings", ()))
+                           or f"{result.delta_shards} delta + {result.full_shards} full")
+                    kinds.append(f"{how}: {gb(result.bytes_sent)}")
                     drop_run(endpoints, run_id)
-                row.note = f"{'; '.join(kinds)}; folded {median(folds):.3f} s after"
+                row.note = (f"{'; '.join(dict.fromkeys(kinds))}; folded {median(folds):.3f} s "
+                            "after")
                 deltas.append(row)
         del first, frozen
         gc.collect()
@@ -473,12 +489,18 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         with tier(endpoints, run_id) as t:
             put = t.put(moved.step, image3, peer_meta(moved))
 
-        def recover() -> Any:
+        def recover(into: np.ndarray | None = None) -> Any:
             with tier(endpoints, run_id) as fresh:
-                return fresh.fetch(moved.step)
+                return fresh.fetch(moved.step, **({} if into is None else {"into": into}))
+
+        # Checkouts before fetch(into=) received into a fresh image only.
+        reusable = (np.ones(image3.size, dtype=np.uint8)
+                    if "into" in inspect.signature(PeerTier.fetch).parameters else None)
 
         cold_ok = drop_page_cache()
         fetch = Row(f"peer fetch, N={DATA_SHARDS}, fresh PeerTier, every peer up", image3.size)
+        into = Row(f"peer fetch, N={DATA_SHARDS}, the same into a buffer the caller reuses",
+                   image3.size)
         cold = Row("read_organ from local disk, cold page cache", nbytes)
         warm = Row("read_organ from local disk, warm page cache", nbytes)
         for r in range(repeats):
@@ -489,6 +511,12 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
             fetch.samples.append(sample)
             fetch.note = f"{gb(got.bytes_fetched)} received"
             del got
+            if reusable is not None:
+                sample, got = clock.time(lambda: recover(reusable))
+                if r == 0 and not same_bytes(got.image, image3):
+                    raise AssertionError("peer fetch into: the image differs from the arena")
+                into.samples.append(sample)
+                del got
             for row in (cold, warm):
                 if row is cold and cold_ok:
                     drop_page_cache()
@@ -525,7 +553,8 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     print()
     print("vs loopback = the row's GB/s / loopback TCP GB/s; vs disk = the disk row's seconds / "
           "the row's seconds (puts: the organ write; fetches: read_organ cold / warm); above 1 "
-          "= faster. CPU = CPU seconds of this process / of the five daemons.")
+          "= faster. CPU = CPU seconds of this process / of the five daemons (loopback: of the "
+          "receiver / the sender).")
     print()
     print("| operation | seconds | GB/s | vs loopback | vs disk | CPU s (client / daemons) | "
           "notes |")
@@ -544,14 +573,17 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     for row in deltas:
         line(row, f"{organ_s / row.seconds():.2f}x")
     line(organ_w, "1.00x")
-    for row in (fetch, degraded):
+    for row in (fetch, into, degraded):
+        if not row.samples:
+            continue
         s = row.seconds()
         line(row, f"{cold_s / s:.2f}x / {warm_s / s:.2f}x")
     line(cold, "1.00x")
     line(warm, "1.00x")
     print()
-    for row in (wire, full, *deltas, organ_w, fetch, degraded, cold, warm):
-        print(f"{row.name} (s): {secs(row.samples)}")
+    for row in (wire, full, *deltas, organ_w, fetch, into, degraded, cold, warm):
+        if row.samples:
+            print(f"{row.name} (s): {secs(row.samples)}")
     f_s, d_s = fetch.seconds(), degraded.seconds()
     print()
     print(f"goals: peer recovery {fetch.nbytes / f_s / lo_rate:.0%} of loopback (>= 80 %); "

@@ -166,6 +166,21 @@ def test_put_fetch_is_bit_exact(cluster: list[Daemon]) -> None:
             t.fetch(9)
 
 
+def test_a_fetch_lands_in_the_callers_buffer(cluster: list[Daemon]) -> None:
+    image = np.random.default_rng(19).bytes(300_001)
+    buffer = np.full(400_000, 7, dtype=np.uint8)
+    with tier(cluster, "into") as t:
+        t.put(1, image, b"m")
+        got = t.fetch(into=buffer)
+        assert np.shares_memory(got.image, buffer) and got.image.size == len(image)
+        assert bytes(got.image) == image and not (buffer[len(image):] - 7).any()
+        with pytest.raises(ValueError, match="into holds 300000 bytes; checkpoint 1 of run "
+                                             "'into' is 300001 bytes"):
+            t.fetch(into=np.empty(300_000, dtype=np.uint8))
+        with pytest.raises(ValueError, match="writable, contiguous 1-D uint8"):
+            t.fetch(into=np.empty(400_000, dtype=np.float32))
+
+
 def test_a_fresh_tier_fetches_and_deltas_what_another_put(cluster: list[Daemon]) -> None:
     old = weights(300_000, seed=2)
     new = old.copy()
@@ -799,6 +814,7 @@ def test_auto_sends_a_delta_only_where_it_is_estimated_faster(
         monkeypatch.setattr(t, "_wire_rate", lambda endpoint: 1e3)  # a slow link
         same = t.put(2, frozen, b"m", base=(1, frozen))
         assert (same.delta_shards, same.full_shards) == (4, 0)
+        assert same.encodings == (BLOCKS,) * 4
         assert same.bytes_sent == 4 * bitmap_bytes(shard_size(len(frozen), 3), BLOCK_BYTES)
         changed = t.put(3, noise, b"m", base=(2, frozen))
         assert (changed.delta_shards, changed.full_shards) == (0, 4)
@@ -903,6 +919,7 @@ def test_always_sends_blocks_where_they_carry_fewer_bytes(cluster: list[Daemon])
         t.put(1, old, b"m")
         put = t.put(2, bytes(new), b"m", base=(1, old))
         assert (put.delta_shards, put.full_shards) == (4, 0)
+        assert put.encodings == (BLOCKS,) * 4
         assert put.bytes_sent == 4 * (20 * BLOCK_BYTES + bitmap_bytes(shard, BLOCK_BYTES))
         got = t.fetch()
         assert got.ckpt_id == 2 and bytes(got.image) == bytes(new)
@@ -918,7 +935,7 @@ def test_always_sends_xor_deltas_where_every_block_moved_a_little(
     with tier(cluster, "xor-deltas") as t:
         first = t.put(1, old.tobytes(), b"m")
         put = t.put(2, new.tobytes(), b"m", base=(1, old.tobytes()))
-        assert (put.delta_shards, put.full_shards) == (4, 0)
+        assert put.encodings == (XOR_DELTA,) * 4 and first.encodings == ("full",) * 4
         assert put.bytes_sent < first.bytes_sent
         got = t.fetch()
         assert got.ckpt_id == 2 and bytes(got.image) == new.tobytes()

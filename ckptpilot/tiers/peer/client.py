@@ -118,13 +118,16 @@ _RATE_ALPHA = 0.3  # weight of the newest transfer in a peer's measured wire rat
 _PEER_GONE_ERRORS = (ConnectionError, TimeoutError)
 _LAYOUTS_KEPT = 4
 _MISMATCH = "digest mismatch"
+FULL = "full"
 _NOT_HELD = "not held"
 
 
 @dataclass(frozen=True)
 class PeerPutResult:
     """What a put did. ``endpoints[i]`` holds shard ``i`` (the parity shard is last);
-    ``bytes_sent`` counts shard bytes and encoded deltas, not headers or meta."""
+    ``bytes_sent`` counts shard bytes and encoded deltas, not headers or meta;
+    ``encodings[i]`` is how shard ``i`` travelled: ``"full"``, ``"blocks"`` or
+    ``"xor_delta"``."""
 
     ckpt_id: int
     endpoints: tuple[str, ...]
@@ -132,11 +135,13 @@ class PeerPutResult:
     full_shards: int
     delta_shards: int
     seconds: float
+    encodings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class PeerFetchResult:
-    """A fetched checkpoint: ``image`` is a fresh uint8 array owned by the caller.
+    """A fetched checkpoint: ``image`` is a fresh uint8 array owned by the caller (or the
+    first bytes of the array the caller passed as ``fetch(into=...)``).
     ``bytes_fetched`` counts shard bytes received (N data shards when nothing was lost; the
     N - 1 others and the parity shard when one had to be rebuilt)."""
 
@@ -213,11 +218,12 @@ class _DeltaPlan:
 
 @dataclass(frozen=True)
 class _Placed:
-    """Where one shard went, the bytes sent for it, and the digest of the shard."""
+    """Where one shard went, the bytes sent for it, how (``PeerPutResult.encodings``), and
+    the digest of the shard."""
 
     endpoint: str
     bytes_sent: int
-    delta: bool
+    encoding: str
     digest: str
 
 
@@ -412,9 +418,10 @@ class PeerTier:
                                              endpoints)
             for old_id in sorted(self._layouts)[:-_LAYOUTS_KEPT]:
                 del self._layouts[old_id]
-        deltas = sum(1 for p in done if p.delta)
+        deltas = sum(1 for p in done if p.encoding != FULL)
         return PeerPutResult(ckpt_id, endpoints, sum(p.bytes_sent for p in done),
-                             len(done) - deltas, deltas, time.perf_counter() - start)
+                             len(done) - deltas, deltas, time.perf_counter() - start,
+                             tuple(p.encoding for p in done))
 
     def _plan_deltas(
         self, base: tuple[int, Buffer], data: Sequence[Shard], holders: dict[int, str]
@@ -500,8 +507,8 @@ class PeerTier:
                             "delta_digest": digest_of_pieces(payload)}
             try:  # the payload's parts are sent as they are: joining them would copy them
                 self._request(endpoint, Op.DELTA, delta_header, [meta, *payload])
-                return _Placed(endpoint, sum(memoryview(p).nbytes for p in payload), True,
-                               digest)
+                return _Placed(endpoint, sum(memoryview(p).nbytes for p in payload),
+                               plan.encoding, digest)
             except PeerRequestError as e:
                 if e.code != "no_base":
                     reasons.append(f"@{endpoint}: {e.message}")
@@ -521,7 +528,7 @@ class PeerTier:
                 self._request(endpoint, Op.PUT, header, [meta, body])
                 self._note_wire(endpoint, body.nbytes, time.perf_counter() - t0)
                 assert body.digest is not None
-                return _Placed(endpoint, body.nbytes, False, body.digest)
+                return _Placed(endpoint, body.nbytes, FULL, body.digest)
             except _REQUEST_ERRORS as e:
                 reasons.append(f"@{endpoint}: {_reason(e)}")
                 with claims.lock:
@@ -618,14 +625,23 @@ class PeerTier:
 
     # ------------------------------------------------------------------------------ fetch
 
-    def fetch(self, ckpt_id: int | None = None) -> PeerFetchResult:
+    def fetch(
+        self, ckpt_id: int | None = None, *, into: np.ndarray | None = None
+    ) -> PeerFetchResult:
         """Checkpoint ``ckpt_id`` (None: the newest recoverable), bit-exact and verified.
 
         One missing or corrupt shard is rebuilt from parity; more raise
-        :class:`PeerUnavailable` naming each missing shard and why.
+        :class:`PeerUnavailable` naming each missing shard and why. The image is received
+        straight into ``into`` (its first ``image_len`` bytes; a writable 1-D uint8 array,
+        say a buffer the caller reuses, whose memory is already mapped) or else into a fresh
+        array; ``ValueError`` before anything is fetched when ``into`` is too small.
         """
         start = time.perf_counter()
         self._check_open()
+        if into is not None and not (isinstance(into, np.ndarray) and into.dtype == np.uint8
+                                     and into.ndim == 1 and into.flags.writeable
+                                     and into.flags.c_contiguous):
+            raise ValueError("into must be a writable, contiguous 1-D uint8 numpy array")
         catalog, unreachable = self._catalog()
         if ckpt_id is not None:
             candidates = [ckpt_id]
@@ -645,24 +661,34 @@ class PeerTier:
             down = "; ".join(f"{e}: {r}" for e, r in sorted(unreachable.items()))
             raise PeerUnavailable(what + (f" (unreachable: {down})" if down else ""),
                                   {-1: _NOT_HELD})
+        if into is not None and into.size < catalog[candidates[0]].image_len:
+            raise ValueError(f"into holds {into.size} bytes; checkpoint {candidates[0]} of run "
+                             f"{self.run_id!r} is {catalog[candidates[0]].image_len} bytes")
         errors: list[PeerUnavailable] = []
         for c in candidates:
+            if into is not None and into.size < catalog[c].image_len:
+                errors.append(PeerUnavailable(f"checkpoint {c} of run {self.run_id!r} is "
+                                              f"{catalog[c].image_len} bytes, into holds "
+                                              f"{into.size}", {-1: "into too small"}))
+                continue
             try:
-                return self._fetch_one(catalog[c], unreachable, start)
+                return self._fetch_one(catalog[c], unreachable, start, into)
             except PeerUnavailable as e:
                 log.warning("peer tier: %s", e)
                 errors.append(e)
         raise errors[0]
 
     def _fetch_one(
-        self, stripe: _Stripe, unreachable: dict[str, str], start: float
+        self, stripe: _Stripe, unreachable: dict[str, str], start: float,
+        into: np.ndarray | None,
     ) -> PeerFetchResult:
         """The checkpoint ``stripe`` describes: every data shard received in parallel (one
         request per peer) straight into its place in one image, digested as it arrives; one
         missing or damaged shard rebuilt from parity in place."""
         n, size = stripe.data_shards, stripe.shard_size
         has_parity = stripe.shard_count > n
-        image = np.empty(stripe.image_len, dtype=np.uint8)
+        image = (np.empty(stripe.image_len, dtype=np.uint8) if into is None
+                 else into[:stripe.image_len])
         places = [Shard.of_image(image, i, size, fill=False) for i in range(n)]
         frames: dict[int, Frame] = {}
         lost: dict[int, str] = {}
