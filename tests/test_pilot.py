@@ -322,17 +322,15 @@ def test_peak_host_memory_stays_within_the_in_flight_bound(tmp_path: Path, level
     assert growth <= bound, (growth / state)
 
 
-def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def rot_after_writing(monkeypatch: pytest.MonkeyPatch, *, step: int) -> None:
+    """The disk flips a bit of ``step``'s tensors file after the write returned."""
     import ckptpilot.writer as writer_module
-    from ckptpilot.storage.metadata import MetadataStore
 
     original = writer_module.stage_organ
 
     def stage_then_rot(tier, snapshot, **kw):  # type: ignore[no-untyped-def]
         staged = original(tier, snapshot, **kw)
-        if snapshot.step == 4:  # the disk flips a bit after the write returned
+        if snapshot.step == step:
             path = archive_tensors(Path(tier.path(staged.staging)))
             data = bytearray(path.read_bytes())
             data[-2] ^= 0x20
@@ -340,6 +338,14 @@ def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
         return staged
 
     monkeypatch.setattr(writer_module, "stage_organ", stage_then_rot)
+
+
+def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ckptpilot.storage.metadata import MetadataStore
+
+    rot_after_writing(monkeypatch, step=4)
     job = Job(tmp_path, interval=2, paranoid=True)  # re-reads what it wrote
     for _ in range(5):
         job.step()
@@ -363,21 +369,9 @@ def test_rot_after_the_write_is_caught_by_the_restore_without_the_paranoid_mode(
     """By default validation trusts the digests computed from the buffers written (no
     re-read): a bit flipped on disk after the write is found when the checkpoint is read,
     which walks back to the previous one and marks the rotten one corrupted."""
-    import ckptpilot.writer as writer_module
     from ckptpilot.storage.metadata import MetadataStore
 
-    original = writer_module.stage_organ
-
-    def stage_then_rot(tier, snapshot, **kw):  # type: ignore[no-untyped-def]
-        staged = original(tier, snapshot, **kw)
-        if snapshot.step == 4:
-            path = archive_tensors(Path(tier.path(staged.staging)))
-            data = bytearray(path.read_bytes())
-            data[-2] ^= 0x20
-            path.write_bytes(bytes(data))
-        return staged
-
-    monkeypatch.setattr(writer_module, "stage_organ", stage_then_rot)
+    rot_after_writing(monkeypatch, step=4)
     job = Job(tmp_path, interval=2)
     for _ in range(5):
         job.step()
