@@ -11,11 +11,13 @@ as in bench/stall.py) and its snapshot arena (what the pilot puts), with N = 3:
 2. full put: ``PeerTier.put`` of the image (parity, digests, transfers, COMMIT), each repeat
    under a fresh run id dropped right after, so daemon memory never accumulates; and, for
    comparison, the organ written to the local disk (``stage_organ`` + ``publish``);
-3. delta puts, each after a full put of its base: after a step that changes only the last
-   layer (the others frozen) and after a step of every layer, each with ``deltas: always``
-   (every shard a delta) and ``deltas: auto`` (the client estimates per shard from a sample
-   and sends in full where a delta would be slower); bytes sent, shards sent as deltas,
-   seconds until ``put`` returned, and seconds more until the daemons had folded;
+3. puts of a next state while the peers hold the previous one (each after a full put of its
+   base, as in a run): after a step that changes only the last layer (the others frozen) and
+   after a step of every layer, each with ``deltas: never`` (full shards), ``auto`` (the
+   client estimates per shard from a sample and sends a delta only where it would be faster)
+   and ``always`` (every shard a delta, the kind with fewer bytes); the modes interleaved per
+   repeat; how each shard travelled, bytes sent, seconds until ``put`` returned, and seconds
+   more until the daemons had folded;
 4. recovery of the last state: ``PeerTier.fetch`` from a fresh ``PeerTier`` (timed from its
    construction, as a restarted process pays it) with every peer up, into a fresh image (as
    a restarted process has no buffer yet) and into a buffer the caller reuses (the
@@ -46,6 +48,7 @@ import datetime
 import gc
 import hashlib
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -425,7 +428,8 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
               "GB/s")
 
         # 2. Full puts, and the organ to the local disk.
-        full = Row(f"peer put, full, N={DATA_SHARDS}", image1.size)
+        full = Row(f"peer put, full, N={DATA_SHARDS}, the first of a run (the peers hold "
+                   "nothing of it)", image1.size)
         sent_full = 0
         for r in range(repeats):
             run_id = f"bench-full-{r}"
@@ -441,30 +445,32 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         frozen = snapshot_of(state, step=2)
         step(state, layout.width, only_last=False)
         moved = snapshot_of(state, step=3)
-        deltas: list[Row] = []
-        for what, base, new in (("4 of 5 layers frozen", first, frozen),
-                                ("one AdamW step of every layer", frozen, moved)):
-            for mode in ("always", "auto"):
-                row = Row(f"peer put, delta ({mode}), {what}", image1.size)
-                kinds, folds = [], []
-                for r in range(repeats):
-                    run_id = f"bench-delta-{mode}-{base.step}-{r}"
-                    with tier(endpoints, run_id, deltas=mode) as t:
-                        t.put(base.step, arena_of(base), peer_meta(base))  # measures the wire
-                        sample, result = clock.time(
-                            lambda t=t, base=base, new=new: t.put(
-                                new.step, arena_of(new), peer_meta(new),
-                                base=(base.step, arena_of(base))))
-                    folds.append(wait_folded(endpoints, run_id, new.step))
-                    row.samples.append(sample)
-                    # Checkouts before the encodings field counted shards only.
-                    how = ("/".join(getattr(result, "encodings", ()))
-                           or f"{result.delta_shards} delta + {result.full_shards} full")
-                    kinds.append(f"{how}: {gb(result.bytes_sent)}")
-                    drop_run(endpoints, run_id)
-                row.note = (f"{'; '.join(dict.fromkeys(kinds))}; folded {median(folds):.3f} s "
-                            "after")
-                deltas.append(row)
+        scenarios = (("4 of 5 layers frozen", first, frozen),
+                     ("one AdamW step of every layer", frozen, moved))
+        modes = ("never", "auto", "always")
+        deltas = {(what, mode): Row(f"peer put, {what}, deltas: {mode}", image1.size)
+                  for what, _, _ in scenarios for mode in modes}
+        kinds: dict[tuple[str, str], list[str]] = {key: [] for key in deltas}
+        folds: dict[tuple[str, str], list[float]] = {key: [] for key in deltas}
+        for r in range(repeats):  # the modes interleaved, so that drift hits them alike
+            for (what, base, new), mode in itertools.product(scenarios, modes):
+                run_id = f"bench-delta-{mode}-{base.step}-{r}"
+                with tier(endpoints, run_id, deltas=mode) as t:
+                    t.put(base.step, arena_of(base), peer_meta(base))  # measures the wire
+                    sample, result = clock.time(
+                        lambda t=t, base=base, new=new: t.put(
+                            new.step, arena_of(new), peer_meta(new),
+                            base=(base.step, arena_of(base))))
+                folds[what, mode].append(wait_folded(endpoints, run_id, new.step))
+                deltas[what, mode].samples.append(sample)
+                # Checkouts before the encodings field counted shards only.
+                how = ("/".join(getattr(result, "encodings", ()))
+                       or f"{result.delta_shards} delta + {result.full_shards} full")
+                kinds[what, mode].append(f"{how}: {gb(result.bytes_sent)}")
+                drop_run(endpoints, run_id)
+        for key, row in deltas.items():
+            row.note = (f"{'; '.join(dict.fromkeys(kinds[key]))}; folded "
+                        f"{median(folds[key]):.3f} s after")
         del first, frozen
         gc.collect()
 
@@ -570,7 +576,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
 
     line(wire, "-")
     line(full, f"{organ_s / full.seconds():.2f}x")
-    for row in deltas:
+    for row in deltas.values():
         line(row, f"{organ_s / row.seconds():.2f}x")
     line(organ_w, "1.00x")
     for row in (fetch, into, degraded):
@@ -581,16 +587,19 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     line(cold, "1.00x")
     line(warm, "1.00x")
     print()
-    for row in (wire, full, *deltas, organ_w, fetch, into, degraded, cold, warm):
+    for row in (wire, full, *deltas.values(), organ_w, fetch, into, degraded, cold, warm):
         if row.samples:
             print(f"{row.name} (s): {secs(row.samples)}")
     f_s, d_s = fetch.seconds(), degraded.seconds()
+    auto = ", ".join(f"{deltas[what, 'auto'].seconds() / deltas[what, 'never'].seconds():.2f}x "
+                     f"({what})" for what, _, _ in scenarios)
     print()
-    print(f"goals: peer recovery {fetch.nbytes / f_s / lo_rate:.0%} of loopback (>= 80 %); "
-          f"{cold_s / f_s:.2f}x / {warm_s / f_s:.2f}x faster than read_organ cold / warm "
-          f"(>= 2x); one peer lost {d_s / f_s:.2f}x the intact fetch (<= 1.3x); delta puts "
-          f"(auto) {max(r.seconds() for r in deltas if '(auto)' in r.name) / full.seconds():.2f}x"
-          " a full put at most (<= 1x)")
+    print(f"goals: peer recovery {fetch.nbytes / f_s / lo_rate:.0%} of loopback (>= 80 %)"
+          + (f", {into.nbytes / into.seconds() / lo_rate:.0%} into a reused buffer"
+             if into.samples else "")
+          + f"; {cold_s / f_s:.2f}x / {warm_s / f_s:.2f}x faster than read_organ cold / warm "
+          f"(>= 2x); one peer lost {d_s / f_s:.2f}x the intact fetch (<= 1.3x); a put with "
+          f"deltas: auto took {auto} the same put with deltas: never (<= 1x)")
     print(f"load average at end {loadavg()}")
 
 

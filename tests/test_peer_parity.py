@@ -49,16 +49,17 @@ def xor(parts: list[bytes]) -> bytes:
     return out.tobytes()
 
 
-def receive(shards: list[bytes], image_len: int, skip: int) -> tuple[np.ndarray, list[Shard]]:
+def receive(shards: list[bytes], image_len: int, skip: int, parity: bytes
+            ) -> tuple[np.ndarray, list[Shard]]:
     """What a fetch does: every shard but ``skip`` written through its place's views into
-    one image of ``image_len`` bytes (the padding past its end into the shards' own arrays)."""
+    one image of ``image_len`` bytes (the padding past its end into the shards' own arrays),
+    and the parity into the place of ``skip``."""
     image = np.empty(image_len, dtype=np.uint8)
     places = [Shard.of_image(image, i, len(shards[0]), fill=False) for i in range(len(shards))]
     for i, (place, shard) in enumerate(zip(places, shards, strict=True)):
-        at = 0
+        source, at = (parity if i == skip else shard), 0
         for view in place.views():
-            if i != skip:
-                view[:] = shard[at:at + view.nbytes]
+            view[:] = source[at:at + view.nbytes]
             at += view.nbytes
     return image, places
 
@@ -71,20 +72,17 @@ def test_split_parity_and_an_in_place_rebuild(data: bytes, n: int, lost: int) ->
     assert [b"".join(s.views()) for s in shards] == reference
     assert b"".join(c.tobytes() for c in parity_chunks(shards)) == xor(reference)
     lost %= n
-    image, places = receive(reference, len(data), skip=lost)
-    par = Shard.scratch(len(reference[0]))
-    par.views()[0][:] = xor(reference)
-    got = places[lost].rebuild(par, [p for i, p in enumerate(places) if i != lost])
+    image, places = receive(reference, len(data), skip=lost, parity=xor(reference))
+    got = places[lost].rebuild_from_parity([p for i, p in enumerate(places) if i != lost])
     assert got == digest_of(reference[lost]) and image.tobytes() == data
 
 
 def test_a_rebuild_across_many_chunks_matches_the_lost_shard() -> None:
     data = np.random.default_rng(3).bytes(3 * 2 * CHUNK_BYTES + 999)  # 2+ MiB shards
     reference = padded(data, 3)
-    image, places = receive(reference, len(data), skip=2)  # the last: in the image and padding
-    par = Shard.scratch(len(reference[0]))
-    par.views()[0][:] = xor(reference)
-    assert places[2].rebuild(par, places[:2]) == digest_of(reference[2])
+    # The last shard: in the image and its padding; the parity lands in both.
+    image, places = receive(reference, len(data), skip=2, parity=xor(reference))
+    assert places[2].rebuild_from_parity(places[:2]) == digest_of(reference[2])
     assert image.tobytes() == data
 
 
@@ -121,6 +119,6 @@ def test_a_sample_takes_ranges_across_the_padding() -> None:
 
 def test_parity_needs_shards_of_one_size() -> None:
     with pytest.raises(ValueError, match="share one size"):
-        list(parity_chunks([Shard.scratch(8), Shard.scratch(16)]))
+        list(parity_chunks([Shard([np.zeros(8, np.uint8)]), Shard([np.zeros(16, np.uint8)])]))
     with pytest.raises(ValueError, match="at least one shard"):
         list(parity_chunks([]))

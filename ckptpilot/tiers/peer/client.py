@@ -683,8 +683,9 @@ class PeerTier:
         into: np.ndarray | None,
     ) -> PeerFetchResult:
         """The checkpoint ``stripe`` describes: every data shard received in parallel (one
-        request per peer) straight into its place in one image, digested as it arrives; one
-        missing or damaged shard rebuilt from parity in place."""
+        request per peer) straight into its place in one image, digested as it arrives; for
+        one missing or damaged shard, the parity is received into that shard's place, and
+        the other data shards XORed into it there (no buffer of its own)."""
         n, size = stripe.data_shards, stripe.shard_size
         has_parity = stripe.shard_count > n
         image = (np.empty(stripe.image_len, dtype=np.uint8) if into is None
@@ -693,10 +694,10 @@ class PeerTier:
         frames: dict[int, Frame] = {}
         lost: dict[int, str] = {}
         fetched_bytes = [0]
-        parity_place: Shard | None = None
 
         def fetch(indices: Sequence[int]) -> None:
-            wanted = {i: places[i] if i < n else parity_place for i in indices}
+            lone = next(iter(lost), 0)  # the parity goes where the one lost shard belongs
+            wanted = {i: places[i] if i < n else places[lone] for i in indices}
             results = self._pool.map(
                 lambda i: self._get_shard(stripe, i, wanted[i], fetched_bytes), indices)
             for i, result in zip(indices, results, strict=True):
@@ -706,11 +707,9 @@ class PeerTier:
                     frames[i] = result
 
         def with_parity(indices: list[int]) -> list[int]:
-            nonlocal parity_place
             if not stripe.holders.get(n):
                 lost[n] = self._why_missing(stripe, n, unreachable)
                 return indices
-            parity_place = Shard.scratch(size)
             return [*indices, n]
 
         for i in range(n):
@@ -730,10 +729,9 @@ class PeerTier:
         expected = _agreed_stripe(list(frames.values()), stripe)
         rebuilt = None
         if lost:
-            assert parity_place is not None
             rebuilt = next(iter(lost))
-            others = [places[i] for i in range(n) if i != rebuilt]
-            digest = places[rebuilt].rebuild(parity_place, others)
+            digest = places[rebuilt].rebuild_from_parity(
+                [places[i] for i in range(n) if i != rebuilt])
             if expected is None:
                 raise PeerUnavailable(
                     f"checkpoint {stripe.ckpt_id}: shard {rebuilt} cannot be rebuilt from "

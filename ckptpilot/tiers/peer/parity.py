@@ -2,13 +2,15 @@
 
 Owns: the shard size rule, a shard's bytes where they lie (:class:`Shard`: a view of the
 image, plus its zero padding past the image's end), the parity, and rebuilding one missing
-shard. Must not: send or store anything. It digests the bytes it produces in the same pass
-(``digest``), chunk by chunk while they are in the cache, so that no shard is read twice.
+shard in its place. Must not: send or store anything. It digests the bytes it produces in
+the same pass (``digest``), chunk by chunk while they are in the cache, so that no shard is
+read twice.
 
 No copies: a data shard is a view of the image (the last one, when the image does not fill
 it, is that view and a small array of zeros); the parity is produced :data:`CHUNK_BYTES` at a
 time into one reused buffer as it is sent (:func:`parity_chunks`), so a put holds no shard
-of its own; a fetch receives every data shard straight into its place in one image.
+of its own; a fetch receives every data shard straight into its place in one image, and for
+a lost one the parity into that place, where the other data shards are XORed into it.
 
 Shards are a multiple of 8 bytes (at least 8) so that every shard can be viewed as 64-bit
 words and delta codecs can view a shard as float32 without a remainder; the true image
@@ -48,10 +50,10 @@ def as_bytes(image: Buffer) -> np.ndarray:
 class Shard:
     """One shard's bytes as one or two arrays in shard order: for a data shard, its part of
     the image and, past the image's end, its padding in a small array of its own; for a
-    parity shard being fetched, one scratch array.
+    parity computed whole (a delta of it), one array.
 
     Threading: one thread fills a shard being fetched (``views`` into ``recv_into``);
-    :meth:`rebuild` runs after every other shard is filled.
+    :meth:`rebuild_from_parity` runs after every other shard is filled.
     """
 
     def __init__(self, pieces: Sequence[np.ndarray]) -> None:
@@ -66,10 +68,6 @@ class Shard:
         inside = image[lo:min(lo + size, image.size)]
         pad = (np.zeros if fill else np.empty)(size - inside.size, dtype=np.uint8)
         return cls([inside, pad])
-
-    @classmethod
-    def scratch(cls, size: int) -> Shard:
-        return cls([np.empty(size, dtype=np.uint8)])
 
     def views(self) -> list[memoryview]:
         """The shard as byte views, in order (writable when the arrays are)."""
@@ -120,19 +118,16 @@ class Shard:
         for off, piece in self._ranges(lo, lo + out.size):
             out[off:off + piece.size] = piece
 
-    def rebuild(self, parity_shard: Shard, others: Sequence[Shard]) -> str:
-        """Fill this shard with ``parity XOR others`` and return the result's digest."""
-        _check_sizes([self, parity_shard, *others])
+    def rebuild_from_parity(self, others: Sequence[Shard]) -> str:
+        """This shard's place holds the parity (received there): XOR the other data shards
+        into it, in place, a chunk at a time, which leaves the lost shard; return its digest."""
+        _check_sizes([self, *others])
         hasher = Hasher()
-        acc = np.empty(min(CHUNK_BYTES, self.size), dtype=np.uint8)
         for lo in range(0, self.size, CHUNK_BYTES):
-            buf = acc[:min(CHUNK_BYTES, self.size - lo)]
-            parity_shard.copy_into(buf, lo)
-            for other in others:
-                other.xor_into(buf, lo)
-            hasher.update(buf)
-            for off, piece in self._ranges(lo, lo + buf.size):
-                piece[:] = buf[off:off + piece.size]
+            for off, piece in self._ranges(lo, min(lo + CHUNK_BYTES, self.size)):
+                for other in others:
+                    other.xor_into(piece, lo + off)
+                hasher.update(piece)
         return hasher.hexdigest()
 
 
