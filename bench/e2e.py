@@ -28,8 +28,9 @@ the output prints). Sections:
    of the later ones.
 3. **Memory and CPU** of each method in a fresh process (one per method, started before this
    process builds its state): the process's peak RSS (``VmHWM``, reset through
-   ``/proc/self/clear_refs`` after the state was built) minus its RSS then, over ``--rounds``
-   + 1 saves, and the peak RSS of its child processes (the pilot's load-test worker) apart;
+   ``/proc/self/clear_refs`` once the state was built and the method constructed) minus its
+   RSS then, over ``--rounds`` + 1 saves; apart: what constructing the pilot added (imports,
+   threads) and the peak RSS of its child processes (the pilot's load-test worker);
    CPU seconds from each save's start until it is durable: this process's user + sys and its
    children's, and how much of it was not the calling thread (``time.thread_time``): the
    *background* CPU. Per GB of state, steady state (saves after the first). ``--quick`` runs
@@ -528,8 +529,9 @@ def make_method(key: str, workdir: Path, state: State, layout: Layout) -> Method
 class Profile:
     """One method's saves in a fresh process: peak extra RSS and CPU per save."""
 
-    extra_rss: int
+    extra_rss: int  # the saves' peak, above the RSS after the method was constructed
     children_rss: int
+    construct_rss: int  # constructing the method (the pilot: imports, threads)
     cpu: list[float]  # per save, start to durable: process + children, all threads
     caller_cpu: list[float]  # of it, the calling thread's
 
@@ -545,9 +547,13 @@ def profile_child(key: str, gb: float, saves: int, workdir: Path) -> None:
     state = build_state(layout)
     gc.collect()
     malloc_trim()
+    before = status_bytes("VmRSS")
+    method = make_method(key, workdir, state, layout)
+    # What the saves hold, apart from what constructing the method (imports, threads) costs.
+    gc.collect()
+    malloc_trim()
     base = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
-    method = make_method(key, workdir, state, layout)
     cpu, caller = [], []
     for _ in range(saves):
         c0, t0 = cpu_seconds(), time.thread_time()
@@ -559,7 +565,7 @@ def profile_child(key: str, gb: float, saves: int, workdir: Path) -> None:
     peak = status_bytes("VmHWM")
     method.close()
     print(json.dumps({"extra_rss": max(0, peak - base), "children_rss": children_rss,
-                      "cpu": cpu, "caller_cpu": caller}))
+                      "construct_rss": base - before, "cpu": cpu, "caller_cpu": caller}))
 
 
 def profile_all(sizes: Sizes, workdir: Path, *, parallel: bool) -> dict[str, Profile]:
@@ -918,6 +924,7 @@ class LoopRun:
     construct: float = 0.0
     durable: list[float] = field(default_factory=list)  # the pilot's saves: stall + persist
     invalid: int = 0  # the pilot's saves that failed validation
+    load: str = ""  # the machine's load averages when the run ended
 
 
 def build_mlp(sizes: Sizes) -> tuple[nn.Sequential, torch.optim.AdamW]:
@@ -1027,7 +1034,7 @@ def train(variant: str, sizes: Sizes, workdir: Path, exclude: Collection[int]) -
     shutil.rmtree(workdir)
     return LoopRun(wall, median(step_times), saver.saves, cpu, value, construct,
                    [r.stall_seconds + r.persist_seconds for r in saver.records],
-                   sum(r.status.value != "valid" for r in saver.records))
+                   sum(r.status.value != "valid" for r in saver.records), loadavg())
 
 
 MLP_VARIANTS = ("none", "pilot", "torch", "dcp_async")
@@ -1119,7 +1126,8 @@ def print_state(results: dict[str, MethodResult], profiles: dict[str, Profile],
 
     def resources(key: str) -> str:
         p = profiles[key]
-        worker = f" (+{gb(p.children_rss)} worker)" if p.children_rss else ""
+        worker = (f" (+{gb(p.children_rss)} worker, +{gb(p.construct_rss)} at construction)"
+                  if p.children_rss else "")
         cpu = median(p.cpu[1:]) / nbytes * 1e9
         bg = median(p.background[1:]) / nbytes * 1e9
         return f"{p.extra_rss / nbytes:.2f}x{worker} | {cpu:.2f} ({bg:.2f})"
@@ -1140,8 +1148,9 @@ def print_state(results: dict[str, MethodResult], profiles: dict[str, Profile],
           f"| - | - | {resources('pilot_organ_nomem')} |")
     print()
     print("peak extra RSS: a fresh process per method, VmHWM over its saves minus its RSS "
-          "after building the state (x state bytes); the pilot's load-test worker is a "
-          "process of its own, its peak RSS in parentheses. CPU-s/GB: user + sys of the "
+          "after building the state and constructing the method (x state bytes); in "
+          "parentheses the peak RSS of the pilot's load-test worker (a process of its own) "
+          "and what constructing the pilot added (imports, threads). CPU-s/GB: user + sys of the "
           "process and its children from a save's start until durable, per GB of state "
           "(saves after the first); in parentheses what was not the calling thread.")
     resident = max(r for res in results.values() for r in res.cold_resident)
@@ -1222,13 +1231,18 @@ def print_training(runs: dict[str, list[LoopRun]], sizes: Sizes, mlp_bytes: int,
     print()
     for v, rs in runs.items():
         line = (f"- {labels[v]}: wall (s) {secs([r.wall for r in rs])}; saves "
-                f"{[r.saves for r in rs]}; CPU-s {secs([r.cpu for r in rs])}")
+                f"{[r.saves for r in rs]}; CPU-s {secs([r.cpu for r in rs])}; load averages "
+                f"at the end of each run: {' / '.join(r.load for r in rs)}")
         if "pilot" in v:
             line += (f"; CheckpointPilot() took (s) {secs([r.construct for r in rs])}; "
                      f"saves that failed validation {[r.invalid for r in rs]}; each save's "
                      f"stall + persist (s), first run: {secs(rs[0].durable)}")
         print(line)
     print("final losses of every run bit-identical to the loop without checkpointing: yes")
+    print(f"torch trains with {torch.get_num_threads()} intra-op threads: while other processes "
+          "hold cores, its OpenMP threads wait at every operator's barrier and every "
+          "variant's wall and CPU time grow erratically; compare the runs above only at a "
+          "low load average.")
     print()
 
 
