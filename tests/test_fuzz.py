@@ -15,7 +15,6 @@ The originals are the golden fixtures of ``test_codecs_golden.py`` (every codec 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import signal
@@ -38,13 +37,15 @@ from ckptpilot.codecs import codec_names, decode_blob, read_container
 from ckptpilot.codecs.blob import DTYPES
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.tiers.peer.daemon import PeerDaemon
+from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import ProtocolError
 from ckptpilot.tiers.peer.protocol import (
     PRELUDE,
+    TRAILER_BYTES,
     Op,
     call,
-    encode_head,
     read_frame,
+    send_frame,
     validate_header,
 )
 
@@ -343,23 +344,34 @@ def test_forged_containers_read_exactly_or_raise_format_errors(data: st.DataObje
 # -------------------------------------------------------------------------------- frames
 
 def _frame(op: Op, header: dict[str, Any], meta: bytes = b"", body: bytes = b"") -> bytes:
-    return encode_head(op, header, len(meta) + len(body)) + meta + body
+    """The bytes ``send_frame`` puts on the wire (a PUT's digest trailer included)."""
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, op, header, [meta, body])
+        a.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := b.recv(1 << 16):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _shard_header(op: Op, body: bytes, meta: bytes) -> dict[str, Any]:
-    digest = hashlib.sha256(body).hexdigest()
+def _shard_header(op: Op, body: bytes, meta: bytes, delta: bytes = b"") -> dict[str, Any]:
     header = {"run_id": "fuzz", "ckpt_id": 2, "shard_index": 0, "shard_count": 1,
-              "data_shards": 1, "kind": "data", "sha256": digest, "stripe": [digest],
-              "image_len": len(body), "shard_size": len(body), "meta_len": len(meta),
-              "meta_sha256": hashlib.sha256(meta).hexdigest(), "lease_seconds": 30.0}
-    return {**header, "base_id": 1} if op is Op.DELTA else header
+              "data_shards": 1, "kind": "data", "image_len": len(body),
+              "shard_size": len(body), "meta_len": len(meta), "meta_digest": digest_of(meta),
+              "lease_seconds": 30.0}
+    if op is Op.DELTA:
+        header.update(base_id=1, digest=digest_of(body), delta_digest=digest_of(delta),
+                      encoding="xor_delta")
+    return header
 
 
-BODY, META = bytes(range(64)), b'{"step": 2}'
+BODY, META, DELTA = bytes(range(64)), b'{"step": 2}', b"not a real delta"
 FRAMES = [
     _frame(Op.PUT, _shard_header(Op.PUT, BODY, META), META, BODY),
-    _frame(Op.DELTA, _shard_header(Op.DELTA, BODY, META), META, b"not a real delta"),
-    _frame(Op.COMMIT, {"run_id": "fuzz", "ckpt_id": 2, "lease_seconds": 30.0}),
+    _frame(Op.DELTA, _shard_header(Op.DELTA, BODY, META, DELTA), META, DELTA),
+    _frame(Op.COMMIT, {"run_id": "fuzz", "ckpt_id": 2, "lease_seconds": 30.0,
+                       "stripe": [digest_of(BODY)]}),
     _frame(Op.GET, {"run_id": "fuzz", "ckpt_id": 1, "shard_index": 0}),
     _frame(Op.LIST, {"run_id": "fuzz"}),
     _frame(Op.PING, {}),
@@ -419,7 +431,8 @@ def parse_all(data: bytes) -> list[Any]:
 
 def assert_frames_valid(frames: list[Any]) -> None:
     for frame in frames:
-        payload = len(frame.meta) + len(frame.payload)
+        trailer = TRAILER_BYTES if frame.trailer_digest is not None else 0  # a PUT's digest
+        payload = len(frame.meta) + len(frame.payload) + trailer
         assert validate_header(frame.op, frame.header, payload) is frame.header
 
 
