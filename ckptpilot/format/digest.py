@@ -1,9 +1,9 @@
 """How a file of an archive is fingerprinted: SHA256 of every fixed-size chunk.
 
-One SHA256 over a whole file is one core's work, strictly in order (bench/RESULTS.md, e2e.py:
-"SHA256 per core"): it set the pace of every save and every restore. A file record of
-manifest version 2 instead holds the SHA256 of each :data:`CHUNK_BYTES` piece of the file
-(the last one shorter)::
+One SHA256 over a whole file is one core's work, strictly in order (bench/RESULTS.md,
+stall.py: the write with SHA256 on the fly): it set the pace of every save and every
+restore. A file record of manifest version 2 instead holds the SHA256 of each
+:data:`CHUNK_BYTES` piece of the file (the last one shorter)::
 
     {"bytes": 1073741832, "chunk_bytes": 8388608, "sha256_chunks": ["9f86…", …]}
 
