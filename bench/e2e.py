@@ -22,18 +22,19 @@ the output prints). Sections:
    fsynced and dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; ``mincore``
    says how much stayed resident), *warm* right after. The pilot restores with a fresh
    ``CheckpointPilot`` on the run directory (its memory tier is empty, so it reads the remote
-   tier and re-hashes every byte). Every method saves ``--rounds`` + 1 times, the methods in
-   an order that rotates each round; the first save of each is reported apart (the pilot
-   allocates its buffers and starts its validation worker then) and the table shows medians
-   of the later ones.
+   tier and re-hashes every byte). Every method saves ``--rounds`` + 2 times, the methods in
+   an order that rotates each round; the table shows medians of the last ``--rounds`` (the
+   pilot's memory tier keeps the newest snapshot's buffers, so its first two saves allocate
+   a buffer set each) and the first save of each pilot apart (the load-test worker started
+   with the pilot may not be ready yet).
 3. **Memory and CPU** of each method in a fresh process (one per method, started before this
    process builds its state): the process's peak RSS (``VmHWM``, reset through
    ``/proc/self/clear_refs`` once the state was built and the method constructed) minus its
-   RSS then, over ``--rounds`` + 1 saves; apart: what constructing the pilot added (imports,
+   RSS then, over ``--rounds`` + 2 saves; apart: what constructing the pilot added (imports,
    threads) and the peak RSS of its child processes (the pilot's load-test worker);
    CPU seconds from each save's start until it is durable: this process's user + sys and its
    children's, and how much of it was not the calling thread (``time.thread_time``): the
-   *background* CPU. Per GB of state, steady state (saves after the first). ``--quick`` runs
+   *background* CPU. Per GB of state, steady state (the last ``--rounds`` saves). ``--quick`` runs
    these processes all at once (each one's CPU seconds and RSS are its own either way).
 4. **Peer recovery**: three ``ckptpilot peer serve`` daemons on 127.0.0.1 (real processes);
    a pilot with ``tiers.peer`` on (2 data shards + 1 XOR parity, one per daemon) saves an
@@ -46,7 +47,8 @@ the output prints). Sections:
    first waits for the previous, as DCP's documentation asks); then the demo's model
    (``ckptpilot.demo.build_demo_job``) without and with a pilot on the default policy. Wall
    time from the first step until the last save is durable (the pilot's construction is not
-   in it), the median step, the saves made, the CPU seconds of the run. The final loss of
+   in it; the start of the load-test worker it spawns overlaps the first steps), the median
+   step, the saves made, the CPU seconds of the run. The final loss of
    every variant must be bit-identical to the loop without checkpointing. The goal on the
    first save is judged here (stall + background persist of each save, from the pilot's
    records): a run's first save comes ``--every`` steps after the pilot started, not at once.
@@ -59,7 +61,9 @@ retention keeps. On a VM the host may still cache what the guest dropped, so a c
 run at memory speed: compare it with the hardware row "read, cold".
 
 Usage: ``.venv/bin/python bench/e2e.py [--gb 1.0] [--rounds 3] [--steps 300] [--every 20]
-[--quick] [--dir DIR]``; ``--quick`` is a smoke run (tiny sizes, one round, under 2 minutes).
+[--quick] [--dir DIR]``; ``--quick`` is a smoke run: tiny sizes and one round, but every
+section (~170 CPU-seconds, most of them Python processes starting: the profiles, the daemons
+and the load-test worker of each of the 16 pilots it constructs).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ import psutil
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from peer import MEM_LIMIT, daemons, git_facts, loadavg
+from peer import MEM_LIMIT, Daemon, daemons, git_facts, loadavg
 from safetensors import safe_open
 from safetensors.torch import save_file
 from scratch import DEFAULT_DIR, scratch_dir
@@ -110,6 +114,9 @@ PEER_DATA_SHARDS = 2  # + 1 parity: one shard per daemon
 MLP_IN, MLP_HIDDEN, MLP_CLASSES, MLP_BATCH = 512, 2048, 16, 64
 CHUNK = 64 << 20  # socket and file I/O unit of the hardware references
 SHA_BYTES = 256 << 20
+# Saves before the steady state: the pilot's memory tier keeps the newest snapshot's buffers,
+# so its first two saves allocate a buffer set each; the first is reported apart.
+WARMUP_SAVES = 2
 LIBC = ctypes.CDLL(None, use_errno=True)
 STARTED = time.perf_counter()
 
@@ -577,7 +584,7 @@ def profile_all(sizes: Sizes, workdir: Path, *, parallel: bool) -> dict[str, Pro
         child_dir = workdir / f"profile-{key}"
         child_dir.mkdir()
         cmd = [sys.executable, __file__, "--child", "profile", "--method", key, "--gb",
-               str(sizes.gb), "--saves", str(sizes.rounds + 1), "--dir", str(child_dir)]
+               str(sizes.gb), "--saves", str(sizes.rounds + WARMUP_SAVES), "--dir", str(child_dir)]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
 
@@ -779,10 +786,10 @@ class MethodResult:
         return self.saves[0]
 
     def stall(self) -> float:
-        return median(t.stall for t in self.saves[1:])
+        return median(t.stall for t in self.saves[WARMUP_SAVES:])
 
     def durable(self) -> float:
-        return median(t.durable for t in self.saves[1:])
+        return median(t.durable for t in self.saves[WARMUP_SAVES:])
 
 
 @dataclass
@@ -798,7 +805,7 @@ def side_by_side(state: State, layout: Layout, workdir: Path, sizes: Sizes
     results: dict[str, MethodResult] = {}
     try:
         timings: dict[str, list[Timing]] = {m.key: [] for m in methods}
-        for r in range(sizes.rounds + 1):
+        for r in range(sizes.rounds + WARMUP_SAVES):
             for m in rotated(methods, r):
                 timings[m.key].append(m.save())
         for m in methods:
@@ -863,7 +870,7 @@ def peer_restore(policy: Path, run_dir: Path, layout: Layout, reference: State, 
     return took, rec.source.value, rec.location or "", rec.bytes_read
 
 
-def shard_holder(procs: list[Any], location: str, shard_index: int) -> Any:
+def shard_holder(procs: list[Daemon], location: str, shard_index: int) -> Daemon:
     """The daemon holding ``shard_index`` of the checkpoint a peer restore read from
     ``location`` (``peer:RUN/CKPT``), asked with the daemons' LIST request."""
     run = location.removeprefix("peer:").rsplit("/", 1)[0]
@@ -875,7 +882,7 @@ def shard_holder(procs: list[Any], location: str, shard_index: int) -> Any:
 
 
 def peer_recovery(state: State, layout: Layout, workdir: Path, sizes: Sizes,
-                  procs: list[Any]) -> PeerResult:
+                  procs: list[Daemon]) -> PeerResult:
     policy = workdir / "policy-peer.yaml"
     policy.write_text(PEER_YAML.format(endpoints=", ".join(f'"{d.endpoint}"' for d in procs),
                                        shards=PEER_DATA_SHARDS))
@@ -1116,7 +1123,8 @@ def print_state(results: dict[str, MethodResult], profiles: dict[str, Profile],
     torch_res = results["torch"]
     tc, tw = median(torch_res.cold), median(torch_res.warm)
     print(f"## The state, saved and restored ({gb(nbytes)}; medians of {sizes.rounds} "
-          "saves after each method's first, and of as many cold and warm restores; vs = "
+          f"saves after each method's first {WARMUP_SAVES}, and of as many cold and warm "
+          "restores; vs = "
           "the torch.save row / this row, above 1 = faster or smaller)")
     print()
     print("| method | stall s | durable s | vs torch.save + fsync | bytes | restore cold s | "
@@ -1128,8 +1136,8 @@ def print_state(results: dict[str, MethodResult], profiles: dict[str, Profile],
         p = profiles[key]
         worker = (f" (+{gb(p.children_rss)} worker, +{gb(p.construct_rss)} at construction)"
                   if p.children_rss else "")
-        cpu = median(p.cpu[1:]) / nbytes * 1e9
-        bg = median(p.background[1:]) / nbytes * 1e9
+        cpu = median(p.cpu[WARMUP_SAVES:]) / nbytes * 1e9
+        bg = median(p.background[WARMUP_SAVES:]) / nbytes * 1e9
         return f"{p.extra_rss / nbytes:.2f}x{worker} | {cpu:.2f} ({bg:.2f})"
 
     for key, res in results.items():
@@ -1152,7 +1160,8 @@ def print_state(results: dict[str, MethodResult], profiles: dict[str, Profile],
           "parentheses the peak RSS of the pilot's load-test worker (a process of its own) "
           "and what constructing the pilot added (imports, threads). CPU-s/GB: user + sys of the "
           "process and its children from a save's start until durable, per GB of state "
-          "(saves after the first); in parentheses what was not the calling thread.")
+          f"(saves after the first {WARMUP_SAVES}); in parentheses what was not the calling "
+          "thread.")
     resident = max(r for res in results.values() for r in res.cold_resident)
     print(f"cold restores: every file of the save fsynced and dropped with posix_fadvise "
           f"DONTNEED; afterwards at most {resident:.1%} of a save's pages were still cached "
@@ -1272,8 +1281,8 @@ def goals(results: dict[str, MethodResult], profiles: dict[str, Profile], hw: Ha
     pilot_oh = overhead(runs, "pilot", "none")
     dcp_oh = overhead(runs, "dcp_async", "none")
     demo_oh = overhead(runs, "demo_pilot", "demo_none")
-    cpu_pilot = median(profiles["pilot_organ"].cpu[1:])
-    cpu_torch = median(profiles["torch"].cpu[1:])
+    cpu_pilot = median(profiles["pilot_organ"].cpu[WARMUP_SAVES:])
+    cpu_torch = median(profiles["torch"].cpu[WARMUP_SAVES:])
     mem = profiles["pilot_organ"].extra_rss / nbytes
     mem_off = profiles["pilot_organ_nomem"].extra_rss / nbytes
     rebuilt = "rebuilt" in peer.degraded_location
@@ -1393,7 +1402,7 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0,
                         help="state size in GB (params + AdamW moments) of the side by side")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="saves after the first, restores, loop runs per variant (>= 1)")
+                        help="saves after the first two, restores, loop runs per variant (>= 1)")
     parser.add_argument("--steps", type=int, default=300, help="training-loop steps")
     parser.add_argument("--every", type=int, default=20,
                         help="training-loop steps between checkpoints")
