@@ -847,7 +847,8 @@ def test_the_delta_rule_weighs_cpu_time_against_the_bytes_saved() -> None:
     assert choose(frozen, 2e9, concurrent=10, cores=2) is None  # 10 compares, 2 cores: 0.5 s
     # Every block changed; the codec encodes the sample at 1 GB/s to 20 %.
     moved = Estimate(shard_bytes=gb, sample_bytes=4 * 10**6, changed_fraction=1.0,
-                     compare_seconds=4e-4, xor_ratio=0.2, encode_seconds=4e-3)
+                     compare_seconds=4e-4, xor_ratio=0.2, encode_seconds=5e-4,
+                     xor_sample_bytes=5 * 10**5)
     assert choose(moved, 2e9, **one) is None  # full 0.5 s; xor_delta 1 s + 0.1 s
     assert choose(moved, 1e8, **one) == XOR_DELTA  # full 10 s; xor_delta 1 s + 2 s
     assert choose(moved, 4e8, concurrent=1, cores=2) == XOR_DELTA  # 2.5 s; 1 s + 0.5 s
@@ -867,7 +868,7 @@ def test_the_delta_rule_weighs_cpu_time_against_the_bytes_saved() -> None:
 def test_a_shard_is_sampled_in_whole_blocks_spread_over_it() -> None:
     assert sample_ranges(4096) == [(0, 4096)]
     small = MIN_SAMPLE_BLOCKS * BLOCK_BYTES
-    assert sample_ranges(small) == [(0, small)]
+    assert sample_ranges(small) == [(b, b + BLOCK_BYTES) for b in range(0, small, BLOCK_BYTES)]
     assert len(sample_ranges(small + 8)) == MIN_SAMPLE_BLOCKS
     assert len(sample_ranges(20 * SAMPLE_SHARE * BLOCK_BYTES)) == 20  # 1 block in 64
     size = 300 * MiB + 8

@@ -75,7 +75,6 @@ from ckptpilot.tiers.peer.deltas import (
     changed_blocks,
     choose,
     estimate,
-    gather,
     parity_blocks_payload,
     sample_ranges,
 )
@@ -435,8 +434,8 @@ class PeerTier:
         plans: list[_DeltaPlan | None] = [None] * self.shard_count
         for i, endpoint in holders.items():
             sources = [i] if i < self.data_shards else list(range(self.data_shards))
-            est = estimate(self._codec, gather([data[j] for j in sources], ranges),
-                           gather([old[j] for j in sources], ranges), data[0].size)
+            est = estimate(self._codec, [data[j] for j in sources], [old[j] for j in sources],
+                           ranges)
             kind = choose(est, self._wire_rate(endpoint), concurrent=len(holders),
                           cores=os.cpu_count() or 1, forced=self.deltas == "always")
             if kind is not None:

@@ -51,16 +51,20 @@ SAMPLE_BLOCKS = 64
 MIN_SAMPLE_BLOCKS = 8
 SAMPLE_SHARE = 64
 """A shard of ``n`` blocks is sampled in ``n // SAMPLE_SHARE`` blocks (at least
-:data:`MIN_SAMPLE_BLOCKS`, at most :data:`SAMPLE_BLOCKS`): the estimate costs a few percent of
-sending the shard at most."""
+:data:`MIN_SAMPLE_BLOCKS`, at most :data:`SAMPLE_BLOCKS`) for the compare, and in
+:data:`XOR_SAMPLE_BLOCKS` of those for the codec: the estimate costs a few percent of sending
+the shard at most."""
+XOR_SAMPLE_BLOCKS = 8
 DELTA_MARGIN = 0.8
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """What a shard's sample measured. ``xor_*`` are None when the codec was not tried (no
-    sampled block changed: nothing can beat ``blocks`` then). ``xor_blob`` is the whole
-    ``xor_delta`` payload when the sample was the whole shard, so it is not encoded twice."""
+    """What a shard's sample measured: ``sample_bytes`` compared (of every source shard) in
+    ``compare_seconds``, ``xor_sample_bytes`` encoded in ``encode_seconds``. ``xor_*`` are
+    None when the codec was not tried (no sampled block changed: nothing can beat ``blocks``
+    then). ``xor_blob`` is the whole ``xor_delta`` payload when the sample was the whole
+    shard, so it is not encoded twice."""
 
     shard_bytes: int
     sample_bytes: int
@@ -68,18 +72,17 @@ class Estimate:
     compare_seconds: float
     xor_ratio: float | None = None
     encode_seconds: float | None = None
+    xor_sample_bytes: int = 0
     xor_blob: list[Buffer] | None = None
 
 
 def sample_ranges(size: int) -> list[tuple[int, int]]:
-    """Block-aligned byte ranges of a shard of ``size`` bytes to sample: the whole shard when
-    it has at most :data:`MIN_SAMPLE_BLOCKS` blocks, else that many or more blocks (see
+    """The blocks of a shard of ``size`` bytes to sample, as byte ranges: all of them when
+    it has at most :data:`MIN_SAMPLE_BLOCKS`, else that many or more (see
     :data:`SAMPLE_SHARE`) evenly spread, the first and the last among them."""
     n_blocks = -(-size // BLOCK_BYTES)
-    if n_blocks <= MIN_SAMPLE_BLOCKS:
-        return [(0, size)]
-    k = min(SAMPLE_BLOCKS, max(MIN_SAMPLE_BLOCKS, n_blocks // SAMPLE_SHARE))
-    picks = [i * (n_blocks - 1) // (k - 1) for i in range(k)]
+    k = min(n_blocks, SAMPLE_BLOCKS, max(MIN_SAMPLE_BLOCKS, n_blocks // SAMPLE_SHARE))
+    picks = [i * (n_blocks - 1) // (k - 1) for i in range(k)] if k > 1 else [0]
     return [(b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, size)) for b in picks]
 
 
@@ -115,22 +118,34 @@ def blocks_payload(new: Shard, changed: np.ndarray) -> tuple[bytes, list[np.ndar
 
 
 def estimate(
-    codec: Codec, new: np.ndarray, old: np.ndarray, shard_bytes: int
+    codec: Codec, new: Sequence[Shard], old: Sequence[Shard], ranges: Sequence[tuple[int, int]]
 ) -> Estimate:
-    """Compare (and, when some block changed, encode with ``codec``) the sample ``new``
-    against ``old``, the same ranges of the base, and time both."""
+    """Sample the shard that is the XOR of ``new`` against the XOR of ``old`` (one shard each
+    for a data shard; the data shards for the parity) at ``ranges``: compare the blocks where
+    they lie (a parity block can change only where a data shard's did), then, when some
+    changed, encode :data:`XOR_SAMPLE_BLOCKS` of them with ``codec``. The compare's speed is
+    timed on whole chunks of every source, as :func:`changed_blocks` compares them."""
+    size = new[0].size
+    changed = np.zeros(len(ranges), dtype=bool)
+    for k, (lo, hi) in enumerate(ranges):
+        changed[k] = any(_differ(a.span(lo, hi), b.span(lo, hi)).any()
+                         for a, b in zip(new, old, strict=True))
+    fraction = float(changed.mean())
+    timed = min(size, CHUNK_BYTES)
     start = time.perf_counter()
-    changed = _differ(new, old)
+    for a, b in zip(new, old, strict=True):
+        _differ(a.span(0, timed), b.span(0, timed))
     compare = time.perf_counter() - start
-    fraction = float(changed.mean()) if changed.size else 0.0
     if not changed.any():
-        return Estimate(shard_bytes, new.size, fraction, compare)
+        return Estimate(size, timed, fraction, compare)
+    picks = ranges[::-(-len(ranges) // XOR_SAMPLE_BLOCKS)]
+    new_x, old_x = gather(new, picks), gather(old, picks)
     start = time.perf_counter()
-    blob = codec.encode_parts(shard_tensor(new), base=shard_tensor(old))
+    blob = codec.encode_parts(shard_tensor(new_x), base=shard_tensor(old_x))
     seconds = time.perf_counter() - start
     encoded = sum(memoryview(part).nbytes for part in blob)
-    return Estimate(shard_bytes, new.size, fraction, compare, encoded / max(new.size, 1),
-                    seconds, blob if new.size == shard_bytes else None)
+    return Estimate(size, timed, fraction, compare, encoded / max(new_x.size, 1), seconds,
+                    new_x.size, blob if new_x.size == size else None)
 
 
 def choose(
@@ -154,7 +169,7 @@ def choose(
     times = {BLOCKS: size / _rate(est.sample_bytes, est.compare_seconds, share)
              + est.changed_fraction * full}
     if est.xor_ratio is not None and est.encode_seconds is not None:
-        times[XOR_DELTA] = (size / _rate(est.sample_bytes, est.encode_seconds, share)
+        times[XOR_DELTA] = (size / _rate(est.xor_sample_bytes, est.encode_seconds, share)
                             + est.xor_ratio * full)
     best = min(times, key=lambda kind: times[kind])
     return best if times[best] <= DELTA_MARGIN * full else None
