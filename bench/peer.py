@@ -15,9 +15,9 @@ as in bench/stall.py) and its snapshot arena (what the pilot puts), with N = 3:
    base, as in a run): after a step that changes only the last layer (the others frozen) and
    after a step of every layer, each with ``deltas: never`` (full shards), ``auto`` (the
    client estimates per shard from a sample and sends a delta only where it would be faster)
-   and ``always`` (every shard a delta, the kind with fewer bytes); the modes interleaved per
-   repeat; how each shard travelled, bytes sent, seconds until ``put`` returned, and seconds
-   more until the daemons had folded;
+   and ``always`` (every shard a delta, the kind with fewer bytes); the modes interleaved,
+   their order rotated per repeat; how each shard travelled, bytes sent, seconds until
+   ``put`` returned, and seconds more until the daemons had folded;
 4. recovery of the last state: ``PeerTier.fetch`` from a fresh ``PeerTier`` (timed from its
    construction, as a restarted process pays it) with every peer up, into a fresh image (as
    a restarted process has no buffer yet) and into a buffer the caller reuses (the
@@ -452,8 +452,11 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
                   for what, _, _ in scenarios for mode in modes}
         kinds: dict[tuple[str, str], list[str]] = {key: [] for key in deltas}
         folds: dict[tuple[str, str], list[float]] = {key: [] for key in deltas}
-        for r in range(repeats):  # the modes interleaved, so that drift hits them alike
-            for (what, base, new), mode in itertools.product(scenarios, modes):
+        for r in range(repeats):
+            # The modes interleaved and their order rotated per repeat, so that drift and the
+            # memory each put leaves behind in the daemons hit them alike.
+            turn = modes[r % len(modes):] + modes[:r % len(modes)]
+            for (what, base, new), mode in itertools.product(scenarios, turn):
                 run_id = f"bench-delta-{mode}-{base.step}-{r}"
                 with tier(endpoints, run_id, deltas=mode) as t:
                     t.put(base.step, arena_of(base), peer_meta(base))  # measures the wire
