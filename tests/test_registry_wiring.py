@@ -19,7 +19,7 @@ from peerdaemons import Daemon, Registry, start, stop_all
 
 from ckptpilot.policy import PeerTierPolicy
 from ckptpilot.tiers.peer import PeerTier
-from ckptpilot.tiers.peer.protocol import Op, call, encode_head, read_frame
+from ckptpilot.tiers.peer.protocol import TRAILER_BYTES, Op, call, encode_head, read_frame
 from ckptpilot.tiers.peer.registry import (
     HealthRegistry,
     NodeState,
@@ -126,8 +126,9 @@ def test_a_killed_daemon_is_failed_over_and_marked_down(
         cluster: tuple[Registry, list[Daemon]], reader: HealthRegistry) -> None:
     registry, daemons = cluster
     # Probes are rare here, so the put itself finds the victim dead.
-    with PeerTier.from_policy(policy(registry.address, daemons, probe_interval=60.0),
-                              run_id="killed") as t:
+    # deltas always: which shards can travel as deltas is the point, not whether they pay.
+    with PeerTier.from_policy(policy(registry.address, daemons, probe_interval=60.0,
+                                     deltas="always"), run_id="killed") as t:
         first = t.put(1, image(11), b"m")
         victim = next(d for d in daemons if d.endpoint == first.endpoints[0])
         node = daemons.index(victim)
@@ -155,17 +156,17 @@ def test_sigterm_publishes_draining_then_down(cluster: tuple[Registry, list[Daem
     body = bytes(4096)
     with socket.create_connection(("127.0.0.1", leaving.port), timeout=10) as sock:
         head = {"run_id": "slow", "ckpt_id": 1, "shard_index": 0, "shard_count": 1,
-                "data_shards": 1, "kind": "data", "sha256": "0" * 64, "stripe": ["0" * 64],
-                "image_len": len(body), "shard_size": len(body), "meta_len": 0,
-                "meta_sha256": "0" * 64, "lease_seconds": 5.0}
-        sock.sendall(encode_head(Op.PUT, head, len(body)) + body[:100])
+                "data_shards": 1, "kind": "data", "image_len": len(body),
+                "shard_size": len(body), "meta_len": 0, "meta_digest": "0" * 32,
+                "lease_seconds": 5.0}
+        sock.sendall(encode_head(Op.PUT, head, len(body) + TRAILER_BYTES) + body[:100])
         time.sleep(0.2)
         leaving.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: state_of(reader, node).status == "draining", 3.0,
                  "the leaving node to drain")
         assert state_of(reader, node).reason == "stopping (SIGTERM)"
         assert leaving.proc.poll() is None, "it finishes the request in flight first"
-        sock.sendall(body[100:])
+        sock.sendall(body[100:] + bytes(TRAILER_BYTES))
         reply = read_frame(sock, max_payload=0)
         assert reply is not None  # an ERR: the test's digests are zeros
     assert leaving.proc.wait(10) == 0
