@@ -1212,8 +1212,14 @@ def print_peer(peer: PeerResult, results: dict[str, MethodResult], hw: Hardware,
     print()
 
 
+def overheads(runs: dict[str, list[LoopRun]], variant: str, base: str) -> list[float]:
+    """Wall-time overhead of each round against the same round's run without checkpoints:
+    rounds minutes apart on a shared machine can differ in load more than variants do."""
+    return [r.wall / b.wall - 1 for r, b in zip(runs[variant], runs[base], strict=True)]
+
+
 def overhead(runs: dict[str, list[LoopRun]], variant: str, base: str) -> float:
-    return median(r.wall for r in runs[variant]) / median(r.wall for r in runs[base]) - 1
+    return median(overheads(runs, variant, base))
 
 
 def print_training(runs: dict[str, list[LoopRun]], sizes: Sizes, mlp_bytes: int,
@@ -1225,21 +1231,24 @@ def print_training(runs: dict[str, list[LoopRun]], sizes: Sizes, mlp_bytes: int,
               "demo_pilot": "demo model, ckptpilot default policy"}
     print(f"## Training loop (MLP: {gb(mlp_bytes)} of state, batch {sizes.mlp_batch}, "
           f"{sizes.steps} steps; demo model: {gb(demo_bytes)} of state, {sizes.demo_steps} "
-          f"steps; medians of {sizes.rounds} runs; overhead = wall / wall without "
-          "checkpointing - 1)")
+          f"steps; medians of {sizes.rounds} runs; overhead and extra CPU: per round against "
+          "the same round's run without checkpointing, then the median)")
     print()
     print("| variant | wall s | overhead | median step ms | saves | CPU-s | extra CPU-s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for v, rs in runs.items():
         base = "demo_none" if v.startswith("demo_") else "none"
-        cpu = median(r.cpu for r in rs)
-        base_cpu = median(r.cpu for r in runs[base])
+        extra_cpu = median(r.cpu - b.cpu for r, b in zip(rs, runs[base], strict=True))
         print(f"| {labels[v]} | {median(r.wall for r in rs):.2f} | "
               f"{overhead(runs, v, base):+.1%} | {median(r.step_median for r in rs) * 1e3:.1f}"
-              f" | {median(r.saves for r in rs):g} | {cpu:.1f} | {cpu - base_cpu:+.1f} |")
+              f" | {median(r.saves for r in rs):g} | {median(r.cpu for r in rs):.1f} | "
+              f"{extra_cpu:+.1f} |")
     print()
     for v, rs in runs.items():
-        line = (f"- {labels[v]}: wall (s) {secs([r.wall for r in rs])}; saves "
+        base = "demo_none" if v.startswith("demo_") else "none"
+        line = (f"- {labels[v]}: overhead per round "
+                f"{', '.join(f'{o:+.1%}' for o in overheads(runs, v, base))}; "
+                f"wall (s) {secs([r.wall for r in rs])}; saves "
                 f"{[r.saves for r in rs]}; CPU-s {secs([r.cpu for r in rs])}; load averages "
                 f"at the end of each run: {' / '.join(r.load for r in rs)}")
         if "pilot" in v:
