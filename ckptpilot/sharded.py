@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.autoprune import DiskBudgetError
 from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.dcp import Reader, Writer, dcp_name
 from ckptpilot.dcp.reader import usable_steps
@@ -333,6 +334,8 @@ class ShardedState:
         """(writer thread) ``dcp.save`` of one snapshot: every rank's part written, hashed
         and read back, the commit file last, the rows ``valid`` (``ckptpilot.dcp.Writer``)."""
         try:
+            if self._refused_by_budget(snapshot):
+                return
             t0 = time.perf_counter()
             writer = Writer(self._policy, step=snapshot.step,
                             codecs=plan_save(intent, self._policy).codecs, reason=intent.reason,
@@ -364,6 +367,26 @@ class ShardedState:
         finally:
             self._give_back(snapshot)
             self._writer.release_slot()
+
+    def _refused_by_budget(self, snapshot: _Snapshot) -> bool:
+        """(writer thread, collective) Rank 0 makes room under the disk budget for the whole
+        step (``retention.max_bytes`` / ``min_free_bytes``); every rank learns its answer, so
+        no rank enters a ``dcp.save`` that rank 0 refused."""
+        retention = self._policy.retention
+        if retention.max_bytes is None and retention.min_free_bytes is None:
+            return False
+        refusal = self._writer.make_room(snapshot.step, snapshot.nbytes)
+        if self._group is not None:
+            refused = torch.tensor([int(refusal is not None)], dtype=torch.int64)
+            dist.broadcast(refused, src=0, group=self._group)
+            if refused.item() and refusal is None:
+                refusal = DiskBudgetError(
+                    f"step {snapshot.step}: rank 0 found no room for it under the disk "
+                    "budget (rank 0's log says why)")
+        if refusal is None:
+            return False
+        self._writer.refuse(snapshot.step, snapshot.nbytes, refusal)
+        return True
 
     # -- restore ---------------------------------------------------------------------------
 

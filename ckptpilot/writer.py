@@ -209,7 +209,7 @@ class CheckpointWriter:
                 try:
                     record = self._write(tier, snapshot, plan, stall) or record
                 except DiskBudgetError as e:
-                    self._refuse(snapshot, e)
+                    self.refuse(snapshot.step, snapshot.nbytes, e)
                     refused = True
             job.tier = None
             if record is None:
@@ -238,14 +238,26 @@ class CheckpointWriter:
                 self._pool.give_back(snapshot)
             self._slots.release()
 
-    def _refuse(self, snapshot: Snapshot, error: DiskBudgetError) -> None:
+    def refuse(self, step: int, nbytes: int, error: DiskBudgetError) -> None:
         """A save the disk budget has no room for: said loudly, recorded, and training goes
         on (nothing of it was written)."""
         log.error("ALERT: step %d was not saved: %s. Training goes on; the previous valid "
-                  "checkpoint stays the recovery point.", snapshot.step, error)
-        self._telemetry.save(snapshot.step, {"checkpoint/refused_bytes": float(snapshot.nbytes)})
-        self._catalog.store.audit("save-refused", {"step": snapshot.step, "rank": self._rank,
+                  "checkpoint stays the recovery point.", step, error)
+        self._telemetry.save(step, {"checkpoint/refused_bytes": float(nbytes)})
+        self._catalog.store.audit("save-refused", {"step": step, "rank": self._rank,
                                                    "reason": str(error)})
+
+    def make_room(self, step: int, nbytes: int) -> DiskBudgetError | None:
+        """(writer thread) Prune what the disk budget needs before ``nbytes`` of step ``step``
+        (this rank's part) are written; the refusal when even that is not enough. Only the
+        rank that decides retention (rank 0) has a pruner: None on the others."""
+        if self._pruner is None or not self._pruner.budgeted:
+            return None
+        try:
+            self._pruner.make_room(step, nbytes)
+        except DiskBudgetError as e:
+            return e
+        return None
 
     def retain(self) -> None:
         """(writer thread) Retention after a published save (``retention.auto``; also called
@@ -343,8 +355,9 @@ class CheckpointWriter:
         costs."""
         intent, catalog, remote = plan.intent, self._catalog, self._remote
         t0 = time.perf_counter()
-        if self._pruner is not None and self._pruner.budgeted:
-            self._pruner.make_room(snapshot.step, snapshot.nbytes)
+        refusal = self.make_room(snapshot.step, snapshot.nbytes)
+        if refusal is not None:
+            raise refusal
         name = checkpoint_name(snapshot.step, self._rank)
         # Before staging: on an object store the staging is the checkpoint's own name.
         catalog.retire(catalog.key(snapshot.step, Tier.REMOTE), lambda: (

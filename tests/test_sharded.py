@@ -528,3 +528,65 @@ def test_a_memory_copy_of_another_world_size_is_passed_over_for_the_remote_tier(
     assert "saved by a run of 2 ranks and this one has 1" in skipped.reason
     assert "never trusted across a world-size change" in skipped.reason
     pilot.close(save=False)
+
+
+# -- the disk budget on sharded saves ---------------------------------------------------------
+
+
+BUDGET_WIDTH = 256  # Linear(256, 256) + AdamW: ~0.79 MB of state, ~0.39 MB a rank
+
+
+def _budget_job(rank: int, world: int, port: int, out: Path, max_bytes: int) -> None:
+    """Saves every step for 8 steps under ``retention.max_bytes``; after each save (flushed)
+    rank 0 records the DCP directories on disk and their bytes."""
+    mesh = _mesh(rank, world, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(BUDGET_WIDTH, BUDGET_WIDTH))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (out / "policy.yaml").write_text(POLICY + f"retention: {{max_bytes: {max_bytes}}}\n")
+    pilot = CheckpointPilot(out / "policy.yaml", model=model, optimizer=opt, run_dir=out / "run")
+    x = torch.randn(4, BUDGET_WIDTH, generator=torch.Generator().manual_seed(rank))
+    seen = []
+    for _ in range(8):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        pilot.observe(1.0)
+        pilot.save()
+        pilot.flush()
+        dirs = sorted(p for p in (out / "run" / "checkpoints").glob("dcp_step_*")
+                      if p.is_dir())
+        seen.append({"dirs": [p.name for p in dirs],
+                     "bytes": sum(f.stat().st_size for p in dirs for f in p.rglob("*")
+                                  if f.is_file())})
+    pilot.close(save=False)
+    _write(out / f"budget_{rank}.json", seen)
+    dist.destroy_process_group()
+
+
+def test_the_disk_budget_prunes_for_sharded_saves_and_refuses_on_every_rank_together(
+        tmp_path: Path) -> None:
+    roomy, tight = tmp_path / "roomy", tmp_path / "tight"
+    roomy.mkdir()
+    tight.mkdir()
+    # Each save is estimated at (its part + 1 MiB) x 2 ranks: 5 MB leaves room for two kept.
+    _run(_budget_job, 2, roomy, 5_000_000)
+    seen = json.loads((roomy / "budget_0.json").read_text())
+    assert all(len(s["dirs"]) <= 3 and s["bytes"] <= 5_000_000 for s in seen), seen
+    assert [s["dirs"][-1] for s in seen] == [dcp_name(step) for step in range(1, 9)]
+    assert len(seen[-1]["dirs"]) < 8  # pruned while training
+    with MetadataStore(roomy / "run" / "metadata.sqlite", read_only=True) as store:
+        assert store.audit_log("save-refused") == []
+    _run(_budget_job, 2, tight, 1 << 20)  # below the estimate of one save
+    for rank in (0, 1):
+        assert all(s["dirs"] == [] for s in json.loads(
+            (tight / f"budget_{rank}.json").read_text()))
+    with MetadataStore(tight / "run" / "metadata.sqlite", read_only=True) as store:
+        refused = Counter((e.details["step"], e.details["rank"])
+                          for e in store.audit_log("save-refused"))
+        assert refused == Counter((step, rank) for step in range(1, 9) for rank in (0, 1))
+        for entry in store.audit_log("save-refused"):
+            assert ("retention.max_bytes 1048576" if entry.details["rank"] == 0
+                    else "rank 0's log says why") in entry.details["reason"]
+        assert store.rows(read_run_id(tight / "run")) == []
