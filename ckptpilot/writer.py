@@ -51,6 +51,7 @@ from ckptpilot.storage.archive import (
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
+from ckptpilot.tiers.peer.client import FULL
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import Level, RetentionClass, Status, Tier
@@ -118,6 +119,13 @@ def _codec_summary(staged: StagedArchive) -> str:
         return "raw"
     counts = Counter(entry.codec for entry in staged.index.tensors)
     return ",".join(f"{codec}:{n}" for codec, n in sorted(counts.items()))
+
+
+def _peer_codec(encodings: tuple[str, ...]) -> str:
+    """The row's codec for a peer put: its shards' delta encodings (``blocks``,
+    ``xor_delta``, joined by ``+``), ``raw`` when every shard travelled whole."""
+    deltas = sorted({e for e in encodings if e != FULL})
+    return "+".join(deltas) if deltas else "raw"
 
 
 class CheckpointWriter:
@@ -279,13 +287,15 @@ class CheckpointWriter:
         raise ValueError(f"a save plan cannot write to the {tier.value} tier")
 
     def _to_peers(self, snapshot: Snapshot, plan: SavePlan, stall: float) -> SaveRecord | None:
-        """Put the snapshot's arena on the peers, as XOR deltas against the memory tier's
-        snapshot when the peers hold that one. Validation is the SHA256 chain: every shard's
-        digest, computed before sending, is checked by its peer on receipt and after each
-        fold, and again by the client on fetch; the layout comes from the live state itself.
-        Folds run after the put returns, so the row is valid before they finish: a fold that
-        fails makes this checkpoint unfetchable and recovery falls back to the next tier.
-        None when the peers could not take it."""
+        """Put the snapshot's arena on the peers; a shard travels as a delta against the
+        memory tier's snapshot (when the peers hold that one) where ``tiers.peer.delta``
+        and the sampled estimate say it is faster. Validation is the XXH3-128 stripe
+        (``tiers/peer/digest.py`` says what it guarantees): every shard's digest, computed as
+        it is sent, is checked by its peer on receipt and after each fold, and again by the
+        client on fetch; the layout comes from the live state itself. Folds run after the put
+        returns, so the row is valid before they finish: a fold that fails makes this
+        checkpoint unfetchable and recovery falls back to the next tier. None when the peers
+        could not take it."""
         assert self._peers is not None and snapshot.arena is not None
         intent = plan.intent
         t0 = time.perf_counter()
@@ -330,7 +340,7 @@ class CheckpointWriter:
         location = f"peer:{self._peers.run_id}/{snapshot.step}@{','.join(result.endpoints)}"
         catalog.store.mark(key, Status.VALID, location=location,
                            bytes_encoded=result.bytes_sent,
-                           codec="xor_delta" if result.delta_shards else "raw",
+                           codec=_peer_codec(result.encodings),
                            seconds_write=result.seconds)
         seconds = time.perf_counter() - t0
         log.info("saved %s step %d to %d peers: %.1f MB sent (%d delta, %d full shards) for "

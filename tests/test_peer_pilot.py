@@ -19,6 +19,7 @@ import torch
 from peerdaemons import Daemon, revive, start, stop_all
 
 from ckptpilot import CheckpointPilot, RecoverySource
+from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.peer.protocol import Op, call
 
 JOB = Path(__file__).with_name("crashjob.py")
@@ -225,6 +226,10 @@ def test_thirty_pulses_fold_on_the_peers_and_restore_reads_one_state(
     assert full >= pilot.saves[0].bytes_raw * 4 / 3
     deltas = [r for r in pilot.saves[1:] if r.bytes < full * 0.9]
     assert len(deltas) >= 27, [r.bytes for r in pilot.saves]
+    with MetadataStore(tmp_path / "run" / "metadata.sqlite", read_only=True) as store:
+        codecs = {row.step: row.codec for row in store.rows(pilot.run_id)}
+    assert codecs[pilot.saves[0].step] == "raw"  # the first put: no base on the peers
+    assert sum(1 for r in deltas if codecs[r.step] == "xor_delta") == len(deltas), codecs
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     again = restored_into_fresh(cfg, tmp_path / "run", 128, 30, expected)
