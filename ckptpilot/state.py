@@ -6,11 +6,13 @@ by name. It does no I/O; archives and tiers decide where the two parts go.
 
 A snapshot is decoupled from the live objects: every tensor is copied into host memory that
 the snapshot owns, so changing the model or optimizer in place after ``capture`` returns never
-changes what is stored.
+changes what is stored. Copies from an accelerator may still be running when a capture given
+a copier returns (``devicecopy``): its snapshot's ``fence`` says when they are done.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import threading
@@ -21,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ckptpilot.devicecopy import CopyFence, DeviceCopier, copy_now
 from ckptpilot.errors import StateError
 
 STATE_FORMAT_VERSION = 1
@@ -95,12 +98,17 @@ class Snapshot:
     contiguous byte buffer, ``arena``, laid out widest element first (so every view is
     aligned) in the order of ``tensors``: that is the data section of the organ's safetensors
     file and the image the peer tier shards, with no copy.
+
+    ``fence``: the device-to-host copies still filling the arena (None when none are: every
+    capture without a copier, every CPU capture). Whoever reads ``tensors`` or ``arena`` first
+    calls ``fence.wait()``; the pilot's writer does, before anything else.
     """
 
     step: int
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
     arena: torch.Tensor | None = None
+    fence: CopyFence | None = None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -219,8 +227,13 @@ class _Encoder:
             f"{path}: cannot checkpoint a value of type {type(value).__qualname__}; "
             "state must be tensors, numbers, strings, None, lists, tuples or dicts of those")
 
-    def finish(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Copy every collected tensor into the arena (reused when the layout is unchanged)."""
+    def finish(self, copier: DeviceCopier | None, late: Callable[[str, torch.Tensor], bool]
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor, CopyFence | None]:
+        """Copy every collected tensor into the arena (reused when the layout is unchanged).
+
+        Host tensors are copied at once. Device tensors: without ``copier``, copied and waited
+        for (fence None); with one, started in two groups — ``late(name, source)`` true for
+        those only the optimizer step writes — and still running when this returns."""
         order = sorted(self._sources.items(), key=lambda kv: -kv[1].element_size())
         layout = tuple((k, t.dtype, tuple(t.shape)) for k, t in order)
         reuse = self._reuse
@@ -235,13 +248,20 @@ class _Encoder:
                 n = src.numel() * src.element_size()
                 views[name] = arena[offset:offset + n].view(src.dtype).reshape(src.shape)
                 offset += n
-        cuda = False
+        device: list[tuple[str, torch.Tensor]] = []
         for name, src in order:
-            views[name].copy_(src, non_blocking=src.is_cuda)
-            cuda |= src.is_cuda
-        if cuda:
-            torch.cuda.synchronize()
-        return views, arena
+            if (src.is_cuda if copier is None else copier.owns(src)):
+                device.append((name, src))
+            else:
+                views[name].copy_(src)
+        if not device:
+            return views, arena, None
+        if copier is None:
+            copy_now([(views[name], src) for name, src in device])
+            return views, arena, None
+        first = [(views[name], src) for name, src in device if not late(name, src)]
+        second = [(views[name], src) for name, src in device if late(name, src)]
+        return views, arena, copier.start(first, second)
 
 
 def arena_views(arena: torch.Tensor,
@@ -331,10 +351,30 @@ def _set_rng_state(rng: dict[str, Any], get_tensor: Callable[[str], torch.Tensor
         torch.cuda.set_rng_state_all(cuda)
 
 
+def _written_by_the_optimizer(model: torch.nn.Module) -> Callable[[str, torch.Tensor], bool]:
+    """Which captured tensors only an optimizer step writes: the model's parameters (found by
+    their memory, as ``state_dict`` returns them detached) and the optimizer's state. Anything
+    not recognised counts as written earlier, which only makes its copy wait sooner. The
+    parameters are listed on the first question: a CPU capture never asks."""
+    params = functools.cache(lambda: {p.data_ptr() for p in model.parameters()})
+
+    def late(name: str, source: torch.Tensor) -> bool:
+        return name.startswith("optimizer/state/") or (
+            name.startswith("model/") and source.data_ptr() in params())
+
+    return late
+
+
 def capture(components: TrainingComponents, *, step: int, epoch: int | None = None,
             extras: Mapping[str, Any] | None = None, rank: int = 0, world_size: int = 1,
-            pool: BufferSource | None = None) -> Snapshot:
-    """Copy the complete training state into host memory owned by the returned snapshot."""
+            pool: BufferSource | None = None, copier: DeviceCopier | None = None) -> Snapshot:
+    """Copy the complete training state into host memory owned by the returned snapshot.
+
+    Without ``copier`` every copy is done on return. With one (the pilot's
+    :class:`~ckptpilot.devicecopy.StepFences`, whose hooks keep the next steps behind the
+    copies) the tensors it owns may still be copying: read the snapshot after
+    ``snapshot.fence.wait()``.
+    """
     enc = _Encoder(pool.take() if pool is not None else None)
     model_sd = components.model.state_dict()
     for name, tensor in model_sd.items():
@@ -354,8 +394,8 @@ def capture(components: TrainingComponents, *, step: int, epoch: int | None = No
         meta[key] = None if obj is None else enc.encode(obj.state_dict(), key)
     meta["extras"] = enc.encode(dict(extras or {}), "extras")
     meta["rng"] = _rng_state(enc)
-    tensors, arena = enc.finish()
-    return Snapshot(step=step, tensors=tensors, meta=meta, arena=arena)
+    tensors, arena, fence = enc.finish(copier, _written_by_the_optimizer(components.model))
+    return Snapshot(step=step, tensors=tensors, meta=meta, arena=arena, fence=fence)
 
 
 def apply(components: TrainingComponents, meta: Mapping[str, Any],

@@ -2,7 +2,8 @@
 thread.
 
 This module owns :class:`CheckpointWriter` and :class:`SaveRecord`. One background thread
-executes each :class:`~ckptpilot.saveplan.SavePlan` in one straight line per tier: encode →
+waits for a snapshot's device copies (``Snapshot.fence``: nothing reads it before), then
+executes its :class:`~ckptpilot.saveplan.SavePlan` in one straight line per tier: encode →
 record ``pending`` → put → verify → publish and record ``valid`` (or set aside and record
 ``corrupted``, with an alert: the previous valid checkpoint stays the recovery point); then
 the snapshot's buffers stay in the memory tier or go back to the pool. Back-pressure: at most
@@ -205,9 +206,13 @@ class CheckpointWriter:
     def _persist(self, snapshot: Snapshot, plan: SavePlan, stall: float,
                  job: _Job) -> SaveRecord | None:
         """Write one save to the tiers of its plan; a valid snapshot's buffers then stay in
-        the memory tier (the base of the next peer deltas)."""
-        kept = False
+        the memory tier (the base of the next peer deltas). Its device copies are waited for
+        before anything reads it; buffers whose copies may still run are never reused."""
+        kept, waited = False, snapshot.fence is None
         try:
+            if snapshot.fence is not None:
+                snapshot.fence.wait()
+                waited = True
             record, refused = None, False
             fallback = [] if plan.fallback is None else [plan.fallback]
             for i, tier in enumerate([*plan.tiers, *fallback]):
@@ -242,7 +247,7 @@ class CheckpointWriter:
             log.exception("background save of step %d failed", snapshot.step)
             raise
         finally:
-            if not kept:
+            if waited and not kept:  # a failed wait leaves buffers a copy may still write
                 self._pool.give_back(snapshot)
             self._slots.release()
 
