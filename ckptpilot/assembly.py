@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ckptpilot import devicecopy
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.autoprune import AutoPruner
 from ckptpilot.catalog import Catalog
@@ -49,9 +50,10 @@ __all__ = ["STOP_ORDER", "RunParts", "open_parts"]
 
 log = logging.getLogger("ckptpilot")
 
-STOP_ORDER = ("writer", "agreement", "heartbeat", "health", "telemetry", "validator", "peers",
-              "run_end", "store")
-"""The order the parts stop in: the writer first (nothing is written after), the pending
+STOP_ORDER = ("writer", "copier", "agreement", "heartbeat", "health", "telemetry", "validator",
+              "peers", "run_end", "store")
+"""The order the parts stop in: the writer first (nothing is written after), then the step
+hooks of the device copies (no copy is pending once the writer stopped), the pending
 all-reduce before the clean end goes into the ledger, the metadata store last."""
 
 
@@ -77,6 +79,7 @@ class RunParts:
     restorer: Restorer
     steps: StepDecider
     sharded: ShardedState | None  # a model of DTensors: saved and restored through DCP
+    copier: devicecopy.StepFences | None  # device tensors: captures overlap the next steps
 
 
 def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, world_size: int,
@@ -170,6 +173,12 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     sharded = (ShardedState(policy, components, catalog=catalog, writer=writer,
                             telemetry=telemetry, agreement=agreement, rank=rank,
                             world_size=world_size) if holds_dtensors(components) else None)
+    copier = None
+    # A sharded model's capture copies and synchronises on its own (sharded.py): no hooks.
+    device = devicecopy.copier_for(components.model) if sharded is None else None
+    if device is not None:
+        copier = devicecopy.StepFences(device, components.model, components.optimizer)
+        started["copier"] = copier.remove
     return RunParts(
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,
@@ -178,4 +187,4 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
             catalog, remote, None if peers is None else PeerCheckpointTier(peers, rank=rank),
             memory, agreement, world_size),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
-                          rollback=rollback), sharded=sharded)
+                          rollback=rollback), sharded=sharded, copier=copier)

@@ -12,8 +12,8 @@ flushed by their own thread.
 
 Threading and lifecycle:
 
-1. construct on the training thread (registers a post-step hook on the optimizer, starts the
-   health-probe, telemetry and heartbeat-flush threads);
+1. construct on the training thread (hooks the optimizer's step, and for a CUDA model the
+   forward: ``devicecopy``; starts the health-probe, telemetry and heartbeat-flush threads);
 2. ``restore()`` once, before the loop;
 3. per step, ``observe()`` after ``optimizer.step()``, ``lr_scheduler.step()`` and after the
    data cursor moved — that is the step boundary at which every part of the state belongs to
@@ -114,6 +114,7 @@ class CheckpointPilot:
             self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,
                                                                 parts.agreement)
             self._restorer, self._steps, self._sharded = parts.restorer, parts.steps, parts.sharded
+            self._copier = parts.copier
             self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                           if optimizer is not None else None)
         except BaseException:
@@ -255,8 +256,8 @@ class CheckpointPilot:
             self._writer.acquire_slot()
             try:
                 snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
-                                   extras=self.extras, rank=self.rank,
-                                   world_size=self.world_size, pool=self._pool)
+                                   extras=self.extras, rank=self.rank, world_size=self.world_size,
+                                   pool=self._pool, copier=self._copier)
             except BaseException:
                 self._writer.release_slot()
                 raise
