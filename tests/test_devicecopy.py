@@ -108,7 +108,7 @@ class Job:
     """A model with a BatchNorm layer (its forward writes buffers), AdamW, and an EMA in the
     extras updated after each optimizer step; seeded by ``seed``."""
 
-    def __init__(self, tmp_path: Path, seed: int, device: LazyDevice | None = None) -> None:
+    def __init__(self, tmp_path: Path, seed: int, device: LazyDevice) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
                                          torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -116,11 +116,10 @@ class Job:
         gen = torch.Generator().manual_seed(7)
         self.x, self.y = torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
         self.extras_ema = torch.zeros(16)
-        if device is not None:
-            device.jobs.append(self)
+        device.jobs.append(self)
         self.pilot = CheckpointPilot(policy_file(tmp_path), model=self.model,
                                      optimizer=self.opt, run_dir=tmp_path / "run")
-        self.copier = None if device is None else device.copiers[-1]
+        self.copier = device.copiers[-1]
         self.pilot.extras["ema"] = self.extras_ema
 
     def device_tensors(self) -> Iterator[torch.Tensor]:
@@ -182,7 +181,6 @@ def restored_state(tmp_path: Path, step: int, device: LazyDevice) -> dict[str, t
 
 def lazy_job(tmp_path: Path, device: LazyDevice) -> tuple[Job, LazyCopier]:
     job = Job(tmp_path, seed=0, device=device)
-    assert job.copier is not None
     return job, job.copier
 
 
