@@ -228,10 +228,11 @@ class _Placed:
 
 @dataclass
 class _Claims:
-    """Peers taken by one put, so that re-chosen peers stay distinct."""
+    """Peers taken by one put, so that re-chosen peers stay distinct, and the peers that
+    failed a shard of it with the reason (named by a shard left without a peer)."""
 
     taken: set[str]
-    failed: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -531,7 +532,7 @@ class PeerTier:
             except _REQUEST_ERRORS as e:
                 reasons.append(f"@{endpoint}: {_reason(e)}")
                 with claims.lock:
-                    claims.failed.add(endpoint)
+                    claims.failed[endpoint] = reasons[-1]
                 endpoint = None
         raise PeerUnavailable("; ".join(reasons))
 
@@ -539,9 +540,10 @@ class PeerTier:
         """A usable peer no other shard of this put uses or failed on."""
         with claims.lock:
             try:
-                chosen = self.placement.choose(1, exclude=claims.taken | claims.failed)[0]
+                chosen = self.placement.choose(1, exclude=claims.taken | claims.failed.keys())[0]
             except NotEnoughPeers as e:
-                raise PeerUnavailable("; ".join([*reasons, str(e)])) from e
+                others = [why for why in claims.failed.values() if why not in reasons]
+                raise PeerUnavailable("; ".join([*reasons, str(e), *others])) from e
             claims.taken.add(chosen)
             return chosen
 
