@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import os
 import pickle
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -203,3 +208,40 @@ def test_a_file_of_many_chunks_is_hashed_per_chunk_and_a_bad_chunk_is_named(
         archive.read_organ(tier, written.name)
     with pytest.raises(IntegrityError, match=at):
         archive.verify_organ(tier, written.name)
+
+
+def _resident_share(path: Path) -> float:
+    """The share of ``path``'s pages in the page cache (``mincore`` on a mapping)."""
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(addr, size, vec) == 0, "mincore failed"
+            return sum(v & 1 for v in vec) / pages
+        finally:
+            libc.munmap(addr, size)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not sys.platform.startswith("linux"),
+                    reason="POSIX_FADV_DONTNEED and mincore as Linux has them")
+def test_a_durable_file_leaves_the_page_cache_and_an_unsynced_one_stays(tmp_path: Path) -> None:
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                          text=True, check=False).stdout.strip()
+    if kind in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {kind}: its pages are the file, never dropped")
+    tier = RemoteTier(str(tmp_path))
+    data = [bytes(range(256)) * 4096 * 8]  # 8 MiB
+    tier.write_record("durable.bin", data, fsync=True)
+    tier.write_record("cached.bin", data, fsync=False)
+    assert _resident_share(tmp_path / "durable.bin") < 0.1
+    assert _resident_share(tmp_path / "cached.bin") > 0.9
+    assert (tmp_path / "durable.bin").read_bytes() == data[0]  # read back from the disk

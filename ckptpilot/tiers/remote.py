@@ -136,6 +136,7 @@ class RemoteTier:
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
+                    _drop_from_page_cache(f.fileno())
         else:
             with self.fs.open(target, "wb") as f:
                 out = HashingWriter(f, digest=digest, chunked=chunked)
@@ -354,6 +355,15 @@ class HashingWriter:
         if self._chunks is None:
             raise ValueError("this file was written without chunk digests")
         return self._chunks.record()
+
+
+def _drop_from_page_cache(fd: int) -> None:
+    """Let the kernel reuse a durable file's pages at once (``POSIX_FADV_DONTNEED``, where
+    the OS has it): a checkpoint is written once and read after a failure, so keeping it
+    cached only crowds out what training reads, and the next save would have to find fresh
+    pages instead of recycling these (bench/RESULTS.md, "Where a save's time goes")."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _readers() -> ThreadPoolExecutor:
