@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from sqlalchemy.exc import SQLAlchemyError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -74,7 +75,7 @@ from ckptpilot.dcp import Reader, Writer, dcp_name
 from ckptpilot.dcp.reader import usable_steps
 from ckptpilot.dcp.storage import entry_of, is_dcp_entry, list_dcp, remote_of, rows_of, verify_dcp
 from ckptpilot.dcp.writer import codec_selector
-from ckptpilot.errors import CheckpointFormatError, NoCheckpointError, StateError
+from ckptpilot.errors import CheckpointFormatError, CkptPilotError, NoCheckpointError, StateError
 from ckptpilot.policy import Policy
 from ckptpilot.restorer import Read, Restored, SkippedCheckpoint
 from ckptpilot.saveplan import plan_save
@@ -331,8 +332,9 @@ class ShardedState:
                 self._free.append(snapshot)
 
     def _persist(self, snapshot: _Snapshot, intent: SaveIntent, stall: float) -> None:
-        """(writer thread) ``dcp.save`` of one snapshot: every rank's part written, hashed
-        and read back, the commit file last, the rows ``valid`` (``ckptpilot.dcp.Writer``)."""
+        """(writer thread) ``dcp.save`` of one snapshot: every rank's part written and hashed
+        (read back too in the paranoid mode), the commit file last, the rows ``valid``
+        (``ckptpilot.dcp.Writer``)."""
         try:
             if self._refused_by_budget(snapshot):
                 return
@@ -375,7 +377,12 @@ class ShardedState:
         retention = self._policy.retention
         if retention.max_bytes is None and retention.min_free_bytes is None:
             return False
-        refusal = self._writer.make_room(snapshot.step, snapshot.nbytes)
+        try:
+            refusal = self._writer.make_room(snapshot.step, snapshot.nbytes)
+        except (OSError, CkptPilotError, SQLAlchemyError) as e:
+            # Not raised before the broadcast: the other ranks would wait in it for ever.
+            refusal = DiskBudgetError(f"step {snapshot.step}: the disk budget could not be "
+                                      f"checked: {e}")
         if self._group is not None:
             refused = torch.tensor([int(refusal is not None)], dtype=torch.int64)
             dist.broadcast(refused, src=0, group=self._group)
