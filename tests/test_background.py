@@ -37,3 +37,31 @@ def test_the_load_test_worker_runs_niced() -> None:
         assert int(fields[16]) >= BACKGROUND_NICE  # field 19 of stat: nice
     finally:
         checker.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_child_forked_after_hashing_hashes_on_threads_of_its_own(tmp_path: Path) -> None:
+    """The parent's hashing threads do not exist in a forked child (torch.multiprocessing's
+    fork start, a launcher that forks): work handed to the inherited pool would never run."""
+    from ckptpilot.tiers.remote import RemoteTier
+
+    tier = RemoteTier(str(tmp_path))
+    data = [bytes(range(256)) * 4096 * 3]  # 3 MiB
+    parent = tier.write_record("parent.bin", data)
+    pid = os.fork()
+    if pid == 0:  # the child: the same write, then the exit code says whether it matched
+        try:
+            ok = tier.write_record("child.bin", data) == parent
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = 120  # a safety net for a hang, not a speed bound
+    for _ in range(deadline * 10):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's write hung on its parent's hashing pool")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -538,7 +538,10 @@ BUDGET_WIDTH = 256  # Linear(256, 256) + AdamW: ~0.79 MB of state, ~0.39 MB a ra
 
 def _budget_job(rank: int, world: int, port: int, out: Path, max_bytes: int) -> None:
     """Saves every step for 8 steps under ``retention.max_bytes``; after each save (flushed)
-    rank 0 records the DCP directories on disk and their bytes."""
+    rank 0 records the DCP directories on disk and their bytes. One torch thread: this
+    layer is large enough for torch to run parallel regions, and a child forked from a
+    parent whose OpenMP threads ran cannot start its own (libgomp is not fork-safe)."""
+    torch.set_num_threads(1)
     mesh = _mesh(rank, world, port)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(BUDGET_WIDTH, BUDGET_WIDTH))

@@ -43,8 +43,26 @@ CHUNK_BYTES = 8 << 20
 """8 MiB: 128 digests (8 KB of manifest) per GB, and pieces small enough that a 64 MiB write
 spreads over every hashing thread."""
 
-_POOLS: dict[bool, ThreadPoolExecutor] = {}
-_POOL_LOCK = threading.Lock()
+class _Pools:
+    """This process's hashing pools, by kind, and the lock that creates them."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[bool, ThreadPoolExecutor] = {}
+        self.lock = threading.Lock()
+
+
+_POOLS = _Pools()
+
+
+def _forget_pools_in_a_forked_child() -> None:
+    """A forked child has none of its parent's threads: the pools' workers do not exist
+    there, and work submitted to them would never run (a save in a child forked after its
+    parent hashed would hang). The child builds its own on first use."""
+    _POOLS.__init__()  # type: ignore[misc]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_a_forked_child)
 
 
 def hash_pool(*, background: bool = True) -> ThreadPoolExecutor:
@@ -52,12 +70,14 @@ def hash_pool(*, background: bool = True) -> ThreadPoolExecutor:
     (a save): at background priority, the cores are training's first. Not (a restore, a
     validation someone waits for): at the caller's priority — training is waiting for it, and
     niced threads on a busy machine would make a restore many times slower."""
-    with _POOL_LOCK:
-        if background not in _POOLS:
+    pools = _POOLS
+    with pools.lock:
+        if background not in pools.by_kind:
             workers = max(1, min(4, os.cpu_count() or 1))
-            _POOLS[background] = (background_pool(workers, "ckptpilot-hash") if background
-                                  else ThreadPoolExecutor(workers, "ckptpilot-read"))
-        return _POOLS[background]
+            pools.by_kind[background] = (background_pool(workers, "ckptpilot-hash")
+                                         if background
+                                         else ThreadPoolExecutor(workers, "ckptpilot-read"))
+        return pools.by_kind[background]
 
 
 def is_chunked(rec: Mapping[str, Any]) -> bool:
