@@ -4,7 +4,6 @@
   JSON beside an arena on the peers;
 - ``manifest.py``: the remote archive's manifest (``MANIFEST_FORMAT``, ``MANIFEST_VERSION``);
 - ``digest.py``: a file's record in that manifest, the SHA256 of every 8 MiB chunk;
-- ``safetensors_header.py``: the bound and fit checks of a safetensors header, without torch;
 - ``heartbeat_ring.py``: the heartbeat ring file's header and slots (``RING_VERSION``);
 - ``ledger_line.py``: one failure-ledger record per line (``LEDGER_VERSION``).
 
