@@ -209,25 +209,3 @@ def test_a_load_beyond_the_memory_bound_fails_and_the_worker_survives(tmp_path: 
         assert lc._proc is not None and lc._proc.pid == pid  # the same worker, still serving
     finally:
         lc.close()
-
-
-def _maps_torch(pid: int) -> bool:
-    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
-def test_the_default_mode_runs_without_torch_and_the_paranoid_mode_loads_it(
-        tmp_path: Path) -> None:
-    """Checking headers and JSON needs no torch: a worker that imported it would cost every
-    training run its import (CPU seconds beside the first steps, ~0.3 GB of memory)."""
-    d, manifest, layout = staged(tmp_path)
-    lc = LoadChecker(timeout_seconds=60)
-    try:
-        assert lc.check(d, manifest, layout, reread=False).ok
-        assert lc._proc is not None
-        pid = lc._proc.pid
-        assert not _maps_torch(pid)
-        assert lc.check(d, manifest, layout, reread=True).ok  # decodes: torch, before its limit
-        assert lc._proc.pid == pid and _maps_torch(pid)
-    finally:
-        lc.close()

@@ -197,7 +197,7 @@ class _Failure(Exception):
 
 def _check_header(path: Path) -> dict[str, Any]:
     from ckptpilot.errors import CheckpointFormatError
-    from ckptpilot.format.safetensors_header import MAX_HEADER_BYTES, check_safetensors_header
+    from ckptpilot.storage.archive import MAX_HEADER_BYTES, check_safetensors_header
 
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -277,7 +277,7 @@ def _rehash(path: Path, rec: Mapping[str, Any]) -> None:
 def _load_safetensors(path: Path, decode: bool) -> dict[str, tuple[str, list[int]]]:
     """Check the header and, with ``decode``, decode every tensor; returns name ->
     (safetensors dtype, shape)."""
-    from safetensors import safe_open  # imported by _load_torch before any limit is set
+    from safetensors import safe_open  # imported by worker_main before any limit is set
 
     header = _check_header(path)
     names = [k for k in header if k != "__metadata__"]
@@ -316,41 +316,25 @@ def _collect_refs(value: Any, out: list[str]) -> None:
             _collect_refs(v, out)
 
 
-def _needs_torch(job: Mapping[str, Any]) -> bool:
-    """Decoding tensors (the paranoid mode) and reading a codec container's index need torch;
-    the default mode's checks of a safetensors organ read only its header and JSON."""
-    return bool(job.get("decode", True)) or "tensors.ckpt" in job["files"]
-
-
-def _load_torch() -> None:
-    """Import what decoding needs, before a job's memory limit is set (importing torch maps
-    far more address space than any limit leaves). Started without it, the worker costs a
-    training run a fraction of the CPU seconds and memory (bench/RESULTS.md, "Where a save's
-    time goes")."""
-    import safetensors.torch  # noqa: F401
-    import torch
-
-    from ckptpilot.codecs import container  # noqa: F401
-    from ckptpilot.storage import archive  # noqa: F401
-
-    torch.set_num_threads(1)
-
-
 def worker_main() -> None:
     """Entry point of the worker process: JSON-line jobs on stdin, replies on stdout."""
     import resource
 
-    from ckptpilot.background import BACKGROUND_NICE
-    from ckptpilot.format import digest, safetensors_header  # noqa: F401
+    import safetensors.torch  # noqa: F401 - load every library before the first memory limit
+    import torch
 
+    from ckptpilot.background import BACKGROUND_NICE
+    from ckptpilot.codecs import container  # noqa: F401
+    from ckptpilot.format import digest  # noqa: F401
+    from ckptpilot.storage import archive  # noqa: F401
+
+    torch.set_num_threads(1)
     os.nice(max(0, BACKGROUND_NICE - os.nice(0)))  # the cores are training's first
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     sys.stdout.buffer.write(_READY)
     sys.stdout.flush()
     for line in sys.stdin.buffer:
         job = json.loads(line)
-        if _needs_torch(job):
-            _load_torch()
         limit = _vm_size() + int(job["memory_limit_bytes"])
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
