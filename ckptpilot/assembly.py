@@ -147,8 +147,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         prefix_bits=codecs.prefix_bits, threads=codecs.threads)
     retention = policy.retention
     pruner = (AutoPruner(store, run_id, remote, retention, world_size=world_size)
-              if rank == 0 and (retention.auto or retention.max_bytes is not None
-                                or retention.min_free_bytes is not None) else None)
+              if rank == 0 and (retention.auto or retention.budgeted) else None)
     writer = CheckpointWriter(catalog=catalog, remote=remote, peers=peers, memory=memory,
                               pool=pool, validator=validator, pulse_codecs=pulse_codecs,
                               telemetry=telemetry, max_pending=max_pending, pruner=pruner)

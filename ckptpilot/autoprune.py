@@ -96,7 +96,7 @@ class AutoPruner:
 
     @property
     def budgeted(self) -> bool:
-        return self._policy.max_bytes is not None or self._policy.min_free_bytes is not None
+        return self._policy.budgeted
 
     def prune(self) -> PruneReport:
         """Apply the retention policy now (after a save was published valid)."""

@@ -688,6 +688,11 @@ class RetentionPolicy(_Section):
     max_bytes: _ByteSize | None = None
     min_free_bytes: _ByteSize | None = None
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether a disk budget applies (every rank can tell, pruner or not)."""
+        return self.max_bytes is not None or self.min_free_bytes is not None
+
     @model_validator(mode="after")
     def _check_scores(self) -> Self:
         if self.important_score > self.critical_score:

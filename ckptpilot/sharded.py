@@ -374,8 +374,7 @@ class ShardedState:
         """(writer thread, collective) Rank 0 makes room under the disk budget for the whole
         step (``retention.max_bytes`` / ``min_free_bytes``); every rank learns its answer, so
         no rank enters a ``dcp.save`` that rank 0 refused."""
-        retention = self._policy.retention
-        if retention.max_bytes is None and retention.min_free_bytes is None:
+        if not self._policy.retention.budgeted:
             return False
         try:
             refusal = self._writer.make_room(snapshot.step, snapshot.nbytes)
