@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 import textwrap
 import traceback
 from pathlib import Path
@@ -942,3 +944,61 @@ def test_an_allowance_that_silences_its_cusum_is_refused(tmp_path: Path, section
     with pytest.raises(PolicyError, match=f"{key} .* must be below z_high") as info:
         load_text(tmp_path, text)
     assert info.value.key == f"scheduler.{section}.{key}"
+
+
+HUGE_NUMBERS = {
+    "int": "9" * 5000,
+    "negative-int": "-" + "9" * 5000,
+    "underscored-int": "1_" * 2500 + "1",
+    "hex": "0x" + "f" * 5000,
+    "octal": "0o" + "7" * 5000,
+    "sexagesimal": "1:" * 2000 + "1",
+    "float": "9" * 5000 + ".5",
+    "negative-float": "-" + "9" * 5000 + ".0",
+    "exponent": "1" + "0" * 5000 + "e9",
+    "quoted": "'" + "9" * 5000 + "'",
+    "byte-size": "'" + "9" * 5000 + " GiB'",
+}
+DEEP_VALUES = {
+    "flow-lists": "[" * 5000 + "]" * 5000,
+    "flow-mappings": "{a: " * 5000 + "1" + "}" * 5000,
+    "mixed": "[{a: " * 2000 + "1" + "}]" * 2000,
+    "just-under-the-limit": "[" * 30 + "]" * 30,
+    "as-a-key": "{? " + "[" * 40 + "]" * 40 + " : 1}",
+}
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_a_5000_digit_number_at_any_key_is_a_policy_error(tmp_path: Path, leaf: str) -> None:
+    """Issue 23.6: every spelling of a 5000-digit number, at every key of the schema, is a
+    PolicyError (never OverflowError / ValueError from int or float conversion)."""
+    for name, literal in HUGE_NUMBERS.items():
+        *sections, key = leaf.split(".")
+        text = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections))
+        path = write_policy(tmp_path, text + f"{'  ' * len(sections)}{key}: {literal}\n")
+        try:
+            load_policy(path).to_yaml()
+        except PolicyError as exc:
+            assert str(exc), name
+
+
+@pytest.mark.parametrize("section", [*SECTIONS, "bogus"])
+def test_deep_nesting_under_any_section_is_a_policy_error(tmp_path: Path, section: str) -> None:
+    """Issue 23.6: deep lists and maps (flow or keyed) under every section are refused with a
+    PolicyError naming the file, never a RecursionError."""
+    for name, value in DEEP_VALUES.items():
+        *outer, last = section.split(".")
+        text = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(outer))
+        path = write_policy(tmp_path, text + f"{'  ' * len(outer)}{last}: {value}\n")
+        with pytest.raises(PolicyError) as info:
+            load_policy(path)
+        assert str(path) in str(info.value), name
+
+
+def test_the_cli_names_a_hostile_policy_and_exits_2(tmp_path: Path) -> None:
+    path = write_policy(tmp_path, "async:\n  max_pending: " + "9" * 5000 + "\n")
+    done = subprocess.run([sys.executable, "-m", "ckptpilot", "ls", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"{path}:2: invalid YAML: integer literal of 5000 characters" in done.stderr
+    assert "Traceback" not in done.stderr
