@@ -474,3 +474,29 @@ def test_a_spike_on_one_rank_rolls_every_rank_back_to_the_same_step(tmp_path: Pa
     for out in outs:
         assert out == {"at": 24, "onset": 22, "to": 20, "step": 20, "restored": True}, outs
 
+
+
+HOSTILE_JSON = {
+    "deep-nesting": b"[" * 100_000 + b"]" * 100_000,
+    "5000-digit-number": b'{"format": ' + b"9" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_JSON))
+@pytest.mark.parametrize("catalogue", ["kept", "deleted"])
+def test_a_manifest_of_hostile_json_is_skipped_with_a_format_error(
+        tmp_path: Path, name: str, catalogue: str) -> None:
+    """Checkpoint bytes are the attacker's: a manifest that makes json raise RecursionError
+    or ValueError (int digit limit) is one skipped checkpoint naming it, not a crash."""
+    job, bits = trained(tmp_path)
+    (ckpt_dir(job, 12) / archive.MANIFEST_FILE).write_bytes(HOSTILE_JSON[name])
+    if catalogue == "deleted":
+        for suffix in ("", "-wal", "-shm"):
+            (job.run_dir / f"metadata.sqlite{suffix}").unlink(missing_ok=True)
+    again = Job(tmp_path, interval=3)
+    assert again.pilot.restore() == 9
+    rec = again.pilot.last_recovery
+    assert rec is not None and rec.skipped[0].location == str(ckpt_dir(job, 12))
+    assert "not valid JSON" in rec.skipped[0].reason
+    assert all(torch.equal(model_bits(again.model)[k], bits[9][k]) for k in bits[9])
+    again.pilot.close()

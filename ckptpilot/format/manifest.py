@@ -93,7 +93,7 @@ def decode_self_digested(raw: bytes, where: str, *, fmt: str, version: int | tup
     DCP manifest) is checked through here."""
     try:
         manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int past the digit limit
         raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise CheckpointFormatError(f"{where}: not a {fmt} manifest")
