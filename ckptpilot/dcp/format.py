@@ -7,8 +7,7 @@ Owns, and keeps pure (no I/O):
   part, as DCP requires; it never parses as a per-rank archive name (``storage.archive``), so
   the pilot's listings and ``restore()`` do not mistake one for the other;
 - the commit file ``manifest.json`` (format ``ckptpilot-dcp``, version 2; version 1 still
-  read): DCP's
-  :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON, so that
+  read): DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON, so that
   :class:`~ckptpilot.dcp.Reader` never unpickles DCP's ``.metadata``; every item's file, byte
   range, encoding and SHA256; the SHA256 of each rank's part (what that rank's metadata row
   records); the size and SHA256 of ``.metadata``; and ``self_sha256`` over the rest, as in
@@ -94,6 +93,7 @@ DCP_READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = COMMIT_FILE
 DCP_METADATA_FILE = ".metadata"
 """DCP's own metadata file (a pickle), written for stock readers only."""
+
 
 class Encoding(str, Enum):
     """How an item's bytes hold its value; the value is the word in the commit file."""
