@@ -23,8 +23,10 @@ A sharded checkpoint is one DCP checkpoint, ``dcp_step_N``, with one metadata ro
 uint8 tensor (format :data:`SHARDED_FORMAT`): the model and optimizer trees around their
 tensors (param groups and every other non-tensor value), the rest of the state in
 ``state.capture``'s form with its tensors (RNG, …) at ``rank/<r>/<name>``, and the data
-cursor's data-parallel rank and degree. DCP's own "bytes" items, which its load planner
-unpickles, are never written, so nothing on the load path unpickles.
+cursor's data-parallel rank and degree. DCP's own "bytes" items (non-tensor values) are never
+written, and a restore asks DCP for tensors only: a checkpoint that holds anything else where
+the pilot expects a tensor is refused naming the key. (``ckptpilot.dcp`` would not unpickle
+one anyway: it loads a non-tensor value from its JSON in the commit file.)
 
 Across a change of the number of ranks: DCP reshards the global tensors; rank r resumes the
 per-rank state (RNG, LR scheduler, scaler, extras) of saved rank r, or of r mod N for a rank

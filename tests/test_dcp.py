@@ -6,12 +6,17 @@ child imports torch, DCP and ckptpilot again, several times what the job itself 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import json
 import os
 import signal
 import socket
+import struct
 import warnings
+from collections import OrderedDict
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +48,11 @@ from ckptpilot.dcp.format import (
     checkpoint_metadata,
     decode_manifest,
     encode_manifest,
+    item_value,
+    part_digests,
 )
 from ckptpilot.dcp.storage import read_manifest
+from ckptpilot.dcp.values import MAX_DEPTH, canonical, decode_value, encode_value
 from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.rundir import read_run_id
@@ -55,7 +63,9 @@ from ckptpilot.vocab import Status, Tier
 WORLD = 2
 SHARDED = (Shard(0), Shard(1))
 RESHARDED = (Shard(1), Replicate())
-PINNED_MANIFEST_SHA256 = "93dbdb298ffa0012b3fe30b8b8f1e993b09ff097b92518472c2cbae35b12c578"
+FIXTURES = Path(__file__).parent / "fixtures" / "format"
+MANIFEST_V2 = FIXTURES / "dcp_manifest.v2.json"  # as written today
+MANIFEST_V1 = FIXTURES / "dcp_manifest.v1.json"  # non-tensor values as pickles only
 JOIN_SECONDS = 120  # a safety net for a hung collective, never a speed assertion
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -407,7 +417,8 @@ def _pinned_manifest() -> bytes:
                                  save_id="s"),
         version="1.0.0")
     items = {
-        MetadataIndex("epoch"): ItemRecord(0, "__0_0.distcp", 0, 10, "a" * 64, Encoding.BYTES),
+        MetadataIndex("epoch"): ItemRecord(0, "__0_0.distcp", 0, 10, "a" * 64, Encoding.BYTES,
+                                           value=canonical(encode_value(7, "epoch"))),
         MetadataIndex("model.w", [0, 0]): ItemRecord(0, "__0_0.distcp", 10, 100, "b" * 64,
                                                      Encoding.TORCH_SAVE, "float32", (2, 2)),
         MetadataIndex("model.w", [2, 0]): ItemRecord(1, "__1_0.distcp", 0, 100, "c" * 64,
@@ -420,14 +431,263 @@ def _pinned_manifest() -> bytes:
 
 def test_the_commit_file_format_is_pinned_and_reads_back_as_dcp_metadata() -> None:
     raw = _pinned_manifest()
-    # Version 1's bytes: a change here is a format change (bump DCP_FORMAT_VERSION).
-    assert hashlib.sha256(raw).hexdigest() == PINNED_MANIFEST_SHA256
+    # Version 2's bytes: a change here is a format change (bump DCP_FORMAT_VERSION and keep
+    # a golden of the old version).
+    assert raw == MANIFEST_V2.read_bytes()
     manifest = decode_manifest(raw, "pinned")
     metadata = checkpoint_metadata(manifest, "pinned")
     assert metadata.planner_data == {"model.w": ("model", "w"), "epoch": ("epoch",)}
     chunks = metadata.state_dict_metadata["model.w"].chunks  # type: ignore[union-attr]
     assert [list(c.offsets) for c in chunks] == [[0, 0], [2, 0]]
     assert metadata.storage_data[MetadataIndex("model.w", [2, 0])].file == "__1_0.distcp"
+    assert item_value(metadata.storage_data[MetadataIndex("epoch")], "pinned") == 7
     tampered = raw.replace(b'"step": 7', b'"step": 8')
     with pytest.raises(IntegrityError, match="pinned"):
         decode_manifest(tampered, "pinned")
+
+
+def test_a_version_1_commit_file_still_reads_but_its_pickled_value_is_refused_naming_it(
+        ) -> None:
+    manifest = decode_manifest(MANIFEST_V1.read_bytes(), "v1")
+    metadata = checkpoint_metadata(manifest, "/runs/x/checkpoints/dcp_step_00000007")
+    assert metadata.state_dict_metadata.keys() == {"model.w", "epoch"}
+    w = metadata.storage_data[MetadataIndex("model.w", [0, 0])]
+    assert (w.encoding, w.dtype, w.shape) == (Encoding.TORCH_SAVE, "float32", (2, 2))
+    epoch = metadata.storage_data[MetadataIndex("epoch")]
+    assert (epoch.encoding, epoch.value) == (Encoding.BYTES, None)
+    where = epoch.where(MetadataIndex("epoch"), "/runs/x/checkpoints/dcp_step_00000007")
+    with pytest.raises(CheckpointFormatError) as caught:
+        item_value(epoch, where)
+    assert str(caught.value).startswith(
+        "/runs/x/checkpoints/dcp_step_00000007/__0_0.distcp: item 'epoch' (bytes 0..10): a "
+        "non-tensor value that ckptpilot before DCP format version 2 stored only as a pickle; "
+        "ckptpilot never unpickles a checkpoint")
+    # Its rows' part digests are what they were: a version 1 checkpoint keeps its rows.
+    assert part_digests(metadata.storage_data) == {int(r): d
+                                                   for r, d in manifest["parts"].items()}
+
+
+# -- non-tensor values: JSON, never a pickle ---------------------------------------------------
+
+
+def _nan(bits: str) -> float:
+    return struct.unpack(">d", bytes.fromhex(bits))[0]
+
+
+VALUES: dict[str, Any] = {
+    "epoch": 3,
+    "big": -(2 ** 80) + 1,
+    "floats": (0.1, -0.0, 1e308, 5e-324, float("inf"), float("-inf"), _nan("7ff8000000000123"),
+               _nan("fff0000000000001")),
+    "text": "héllo ✓ \x00 \"quoted\" \\",
+    "flags": [True, False, None, 1, 2.5, "x", [3, [4, []]]],
+    "nothing": None,
+    "on": False,
+    "betas": (0.9, 0.999, {"eps": 1e-8, 2: "two", (1, "k"): [None]}),
+    "ordered": (OrderedDict([("b", 1), ("a", 2)]), {}),
+    "cfg": {"optim": {"name": "adamw", "groups": 2}},  # flattened by DCP: cfg.optim.name, ...
+}
+
+
+def _placeholders(values: dict[str, Any]) -> dict[str, Any]:
+    """The values' keys with None at each leaf DCP saves (it flattens nested dicts)."""
+    return {k: _placeholders(v) if type(v) is dict and v else None for k, v in values.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bit for bit, types included (floats by their IEEE 754 bits, NaNs too)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return struct.pack(">d", a) == struct.pack(">d", b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return (list(a) == list(b) and all(_same(k, j) for k, j in zip(a, b, strict=True))
+                and all(_same(a[k], b[k]) for k in a))
+    return bool(a == b)
+
+
+def _values_job(rank: int, port: int, run_dir: str) -> None:
+    mesh = _mesh(rank, port)
+    ref = _reference(0)
+    dcp.save({**_state(mesh, ref), **VALUES}, storage_writer=Writer(run_dir, step=10))
+    for placements, reader in ((SHARDED, Reader(run_dir)), (RESHARDED, Reader(run_dir)),
+                               (SHARDED, FileSystemReader(Reader(run_dir).checkpoint_id))):
+        got = {**_zeros(mesh, placements), **_placeholders(VALUES)}
+        dcp.load(got, storage_reader=reader)
+        _check(got, ref)
+        for key, value in VALUES.items():
+            assert _same(got[key], value), f"{key}: {got[key]!r} is not {value!r}"
+    dist.destroy_process_group()
+
+
+def test_non_tensor_values_round_trip_bit_exact_as_json_resharded_and_for_stock_readers(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _join(_spawn(_values_job, str(run_dir)))
+    manifest = read_manifest(RemoteTier(str(run_dir / "checkpoints")), dcp_name(10))
+    values = {i["fqn"]: i["value"] for i in manifest["items"] if i["encoding"] == "bytes"}
+    assert values["floats"]["$tuple"][6] == {"$float": "7ff8000000000123"}
+    assert values["cfg.optim.name"] == "adamw"
+    assert values["betas"] == {"$tuple": [0.9, 0.999, {"$dict": [
+        ["eps", 1e-08], [2, "two"], [{"$tuple": [1, "k"]}, [None]]]}]}
+    assert manifest["format_version"] == 2
+
+
+@pytest.mark.parametrize(("value", "named"), [
+    ({1, 2}, "item 'v': a value of type set cannot be saved"),
+    (b"raw", "item 'v': a value of type bytes cannot be saved"),
+    ((torch.ones(2),), "item 'v': a value of type torch.Tensor (at [0]) cannot be saved"),
+    (Fraction(1, 3), "item 'v': a value of type fractions.Fraction cannot be saved"),
+])
+def test_a_non_tensor_value_without_a_json_form_fails_the_save_naming_it(
+        tmp_path: Path, value: Any, named: str) -> None:
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"x": torch.ones(2), "v": value}, storage_writer=Writer(tmp_path, step=4),
+                 no_dist=True)
+    error = caught.value.failures[0][0]
+    assert isinstance(error, CheckpointFormatError)
+    assert str(error).startswith(f"dcp_step_00000004 (step 4): {named}: ckptpilot stores a "
+                                 "non-tensor value as JSON")
+    assert "Put each tensor in the state dict as an entry of its own" in str(error)
+    assert dcp_name(4) not in RemoteTier(str(tmp_path / "checkpoints")).list()
+    with pytest.raises(NoCheckpointError):
+        Reader(tmp_path)
+
+
+@pytest.mark.parametrize(("doc", "fault"), [
+    ({"$float": "7ff8"}, "$float '7ff8' is not 16 hex digits"),
+    ({"$float": "zz" * 8}, "$float 'zzzzzzzzzzzzzzzz': non-hexadecimal"),
+    ({"eps": 1.0}, "{'eps': 1.0} is not an encoded value"),
+    ({"$tuple": 3}, "$tuple holds 3, not a list"),
+    ({"$dict": [[[1], 2]]}, "$dict key [1]: unhashable type"),
+    ({"$dict": [["a", 1], ["a", 2]]}, "$dict repeats a key"),
+    ({"$dict": [["a"]]}, "$dict entry ['a'] is not a [key, value] pair"),
+    (float("nan"), "a non-finite float must be a $float tag"),
+    (functools.reduce(lambda d, _: [d], range(MAX_DEPTH + 1), 0), "nested deeper than 64"),
+])
+def test_a_malformed_value_document_is_refused_naming_where(doc: Any, fault: str) -> None:
+    with pytest.raises(CheckpointFormatError) as caught:
+        decode_value(doc, "m.json: items[0] ('v'): value")
+    assert str(caught.value).startswith("m.json: items[0] ('v'): value: ")
+    assert fault in str(caught.value)
+
+
+class _TouchOnLoad:
+    """Unpickled, creates ``marker``: the code a crafted checkpoint would run (a real
+    attacker's payload would be ``os.system``)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def _save_job(rank: int, port: int, run_dir: str) -> None:
+    mesh = _mesh(rank, port)
+    dcp.save(_state(mesh, _reference(0)), storage_writer=Writer(run_dir, step=10))
+    dist.destroy_process_group()
+
+
+def _craft(directory: Path, marker: Path, *, version: int, keep_value: bool) -> None:
+    """What an attacker with write access to the storage does: put a pickle that runs code
+    in place of the "epoch" item's bytes, and make every digest match again (the item's, its
+    rank's part, the commit file's own)."""
+    manifest = json.loads((directory / "manifest.json").read_bytes())
+    target = next(i for i in manifest["items"] if i["fqn"] == "epoch")
+    evil = io.BytesIO()
+    torch.save(_TouchOnLoad(marker), evil)
+    mine = sorted((i for i in manifest["items"] if i["file"] == target["file"]),
+                  key=lambda i: i["at"])
+    old = (directory / target["file"]).read_bytes()
+    out, at = bytearray(), 0
+    for item in mine:
+        payload = evil.getvalue() if item is target else old[item["at"]:item["at"] + item["bytes"]]
+        item.update(at=at, bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+        out += payload
+        at += len(payload)
+    (directory / target["file"]).write_bytes(bytes(out))
+    if not keep_value:
+        target.pop("value", None)
+    manifest["format_version"] = version
+    for rank in manifest["parts"]:
+        lines = sorted(
+            f"{i['fqn']}\0{'-' if i['offset'] is None else ','.join(map(str, i['offset']))}"
+            f"\0{i['sha256']}" + ("" if "value" not in i else "\0" + hashlib.sha256(
+                canonical(i["value"]).encode()).hexdigest()) + "\n"
+            for i in manifest["items"] if str(i["rank"]) == rank)
+        manifest["parts"][rank] = hashlib.sha256("".join(lines).encode()).hexdigest()
+    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+    manifest["self_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()
+                                             ).hexdigest()
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _forget_rows(run_dir: Path) -> None:
+    """Delete the metadata store: no rows to check the parts against."""
+    for suffix in ("", "-wal", "-shm"):
+        (run_dir / f"metadata.sqlite{suffix}").unlink(missing_ok=True)
+
+
+def _load_whole(run_dir: Path, step: int | None, *, epoch: bool = True) -> dict[str, Any]:
+    """Both ranks' parts into this one process."""
+    full = {k: torch.zeros_like(v) for k, v in _reference(0).items()}
+    state: dict[str, Any] = {"model": {"w": full["w"], "h": full["h"]}, "plain": full["plain"],
+                             "count": full["count"], **({"epoch": 0} if epoch else {})}
+    dcp.load(state, storage_reader=Reader(run_dir, step=step), no_dist=True)
+    return state
+
+
+def test_crafted_sharded_checkpoint_cannot_run_code(tmp_path: Path) -> None:
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    _join(_spawn(_save_job, str(run_dir)))
+    directory = run_dir / "checkpoints" / dcp_name(10)
+    pristine = {p.name: p.read_bytes() for p in directory.iterdir()}
+    _forget_rows(run_dir)
+
+    # The format whose "bytes" items were pickles: refused naming the item, nothing unpickled.
+    _craft(directory, marker, version=1, keep_value=False)
+    item = next(i for i in json.loads((directory / "manifest.json").read_bytes())["items"]
+                if i["fqn"] == "epoch")
+    where = (f"{directory}/{item['file']}: item 'epoch' (bytes {item['at']}.."
+             f"{item['at'] + item['bytes']}): ")
+    with pytest.raises(CheckpointException) as caught:
+        _load_whole(run_dir, 10)
+    assert not marker.exists(), "loading the crafted checkpoint ran its code"
+    (error, _), = caught.value.failures.values()
+    assert isinstance(error, CheckpointFormatError)
+    assert str(error).startswith(where + "a non-tensor value that ckptpilot before DCP format "
+                                 "version 2 stored only as a pickle; ckptpilot never "
+                                 "unpickles a checkpoint, so it does not load it")
+
+    # validate --rebuild records it again (its hashes all match) without unpickling; the
+    # newest valid step then refuses the item on load, as above.
+    out = io.StringIO()
+    assert runops.validate(load_policy(None, run_dir=run_dir), rebuild=True, out=out) == 0
+    assert "its non-tensor item(s) 'epoch' are pickles (DCP format version 1)" in out.getvalue()
+    with pytest.raises(CheckpointException, match="stored only as a pickle") as caught:
+        _load_whole(run_dir, None)
+    assert where in str(caught.value)
+    assert not marker.exists(), "validate --rebuild or the load ran the crafted code"
+    # Leaving the refused key out loads the rest of that checkpoint, bit for bit.
+    _check({**_load_whole(run_dir, 10, epoch=False), "epoch": 3}, _reference(0))
+
+    # Today's format without the value: refused on reading the commit file.
+    _forget_rows(run_dir)  # the rebuilt rows would catch the new part digests
+    for name, raw in pristine.items():
+        (directory / name).write_bytes(raw)
+    _craft(directory, marker, version=2, keep_value=False)
+    with pytest.raises(CheckpointException) as caught:
+        _load_whole(run_dir, 10)
+    assert "('epoch'): a non-tensor item without its JSON value (ckptpilot does not read the " \
+           "pickle beside it)" in str(caught.value)
+    assert not marker.exists()
+
+    # With its value, the pickle beside it is never read: the value loads, no code runs.
+    for name, raw in pristine.items():
+        (directory / name).write_bytes(raw)
+    _craft(directory, marker, version=2, keep_value=True)
+    assert _load_whole(run_dir, 10)["epoch"] == 3
+    assert not marker.exists()

@@ -11,13 +11,17 @@ the newest valid step (or ``step=N``), verifying every item it reads, resharded 
 plain DCP checkpoint: stock ``dcp.load`` with ``FileSystemReader`` reads it too.
 
 Layout: ``{tiers.remote.url}/dcp_step_{N:08d}/`` holds ``__{rank}_0.distcp`` (one file per
-rank that has items: ``torch.save`` of each tensor chunk, as ``FileSystemWriter`` writes them,
-or codec blobs), ``.metadata`` (DCP's, codecs off only) and ``manifest.json`` (ckptpilot's
-commit file: ``dcp.format``). One metadata row per rank, all pointing at that directory;
-``ckptpilot ls``, ``validate``, ``prune`` and ``recover`` handle them (``dcp.storage``).
+rank that has items: ``torch.save`` of each tensor chunk and non-tensor value, as
+``FileSystemWriter`` writes them, or codec blobs), ``.metadata`` (DCP's, codecs off only) and
+``manifest.json`` (ckptpilot's commit file, ``dcp.format``, which also holds each non-tensor
+value as JSON, ``dcp.values``). ckptpilot reads no pickle: not ``.metadata``, not a value's
+``torch.save``; those are for stock readers. One metadata row per rank, all pointing at that
+directory; ``ckptpilot ls``, ``validate``, ``prune`` and ``recover`` handle them
+(``dcp.storage``).
 
-Modules: ``format`` (names, commit file, item encodings; pure), ``storage`` (listing,
-verification and rows of DCP checkpoints on a tier), ``writer`` and ``reader``.
+Modules: ``format`` (names, commit file, item encodings; pure), ``values`` (the JSON form of
+non-tensor values; pure), ``storage`` (listing, verification and rows of DCP checkpoints on a
+tier), ``writer`` and ``reader``.
 """
 
 from ckptpilot.dcp.format import dcp_name, parse_dcp_name

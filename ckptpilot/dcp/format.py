@@ -6,8 +6,8 @@ Owns, and keeps pure (no I/O):
 - the directory name ``dcp_step_{step:08d}`` — one directory per step holding every rank's
   part, as DCP requires; it never parses as a per-rank archive name (``storage.archive``), so
   the pilot's listings and ``restore()`` do not mistake one for the other;
-- the commit file ``manifest.json`` (format ``ckptpilot-dcp``, version 1): DCP's
-  :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON, so that
+- the commit file ``manifest.json`` (format ``ckptpilot-dcp``, version 2; version 1 still
+  read): DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON, so that
   :class:`~ckptpilot.dcp.Reader` never unpickles DCP's ``.metadata``; every item's file, byte
   range, encoding and SHA256; the SHA256 of each rank's part (what that rank's metadata row
   records); the size and SHA256 of ``.metadata``; and ``self_sha256`` over the rest, as in
@@ -15,14 +15,23 @@ Owns, and keeps pure (no I/O):
 - the item encodings: ``torch.save`` (what stock ``FileSystemReader`` reads: one
   ``torch.save`` zip per tensor, as ``FileSystemWriter`` writes it), read back here by locating
   the storage record in the zip, without unpickling its ``data.pkl``; ``blob`` (a codec blob,
-  ``ckptpilot.codecs.blob``; only ckptpilot reads it); ``bytes`` (DCP's own serialisation of a
-  non-tensor value, handed back to DCP's load planner untouched).
+  ``ckptpilot.codecs.blob``; only ckptpilot reads it); ``bytes`` (a non-tensor value: its JSON
+  form, ``dcp.values``, is the item's ``value`` in the commit file, covered by the commit
+  file's digest and by its rank's part digest; the item's bytes in the data file are DCP's
+  ``torch.save`` of it, for stock readers only, hashed but never read by ckptpilot).
+
+Version 1 (the format before) kept a non-tensor value only as that ``torch.save`` pickle. It
+is still read, tensors and all, but its ``bytes`` items carry no ``value`` and are refused
+when a load asks for one (:func:`pickled_refusal`, naming the item): ckptpilot does not
+unpickle them, not even with ``torch.load(weights_only=True)``, whose restricted unpickler is
+a guard PyTorch has had to fix before, not a proof. Version 1 part digests are unchanged.
 
 Must not touch files or decide which checkpoint to load: ``dcp.storage`` reads and writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -48,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES
 from ckptpilot.codecs.registry import decode_blob
+from ckptpilot.dcp.values import canonical, decode_value
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.format.manifest import decode_self_digested
 from ckptpilot.tiers.remote import COMMIT_FILE
@@ -56,6 +66,7 @@ __all__ = [
     "DCP_FORMAT",
     "DCP_FORMAT_VERSION",
     "DCP_METADATA_FILE",
+    "DCP_READABLE_VERSIONS",
     "MANIFEST_FILE",
     "Encoding",
     "ItemRecord",
@@ -68,18 +79,20 @@ __all__ = [
     "empty_part_digest",
     "encode_manifest",
     "item_digest",
+    "item_value",
     "manifest_items",
     "narrow",
     "parse_dcp_name",
     "part_digests",
+    "pickled_refusal",
 ]
 
 DCP_FORMAT = "ckptpilot-dcp"
-DCP_FORMAT_VERSION = 1
+DCP_FORMAT_VERSION = 2
+DCP_READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = COMMIT_FILE
 DCP_METADATA_FILE = ".metadata"
 """DCP's own metadata file (a pickle), written for stock readers only."""
-
 
 
 class Encoding(str, Enum):
@@ -87,7 +100,7 @@ class Encoding(str, Enum):
 
     TORCH_SAVE = "torch.save"  # one tensor, as FileSystemWriter writes it
     BLOB = "blob"  # one tensor, a codec blob
-    BYTES = "bytes"  # DCP's serialisation of a non-tensor value
+    BYTES = "bytes"  # a non-tensor value: JSON in the commit file, torch.save in the file
 
 
 _NAME_RE = re.compile(r"^dcp_step_(\d{8,})$")
@@ -114,7 +127,9 @@ def parse_dcp_name(name: str) -> int | None:
 @dataclass(frozen=True)
 class ItemRecord:
     """Where one saved item (a tensor chunk or a serialised object) lies and what it hashes
-    to. ``shape`` is the chunk's, ``dtype`` a codec dtype name; both None for ``bytes``."""
+    to. ``shape`` is the chunk's, ``dtype`` a codec dtype name; both None for ``bytes``.
+    ``value``: a ``bytes`` item's value as :func:`~ckptpilot.dcp.values.canonical` JSON
+    text; None for a tensor and for a version 1 ``bytes`` item (a pickle only)."""
 
     rank: int
     file: str
@@ -124,6 +139,7 @@ class ItemRecord:
     encoding: Encoding
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    value: str | None = None
 
     def where(self, index: MetadataIndex, location: str) -> str:
         """How errors name the item: its file, its fqn and chunk offset, its byte range."""
@@ -158,13 +174,15 @@ def _offset_key(index: MetadataIndex) -> str:
 
 
 def part_digests(items: Mapping[MetadataIndex, ItemRecord]) -> dict[int, str]:
-    """SHA256 of each rank's part: over its items' (fqn, chunk offset, SHA256), sorted, so
-    that it depends on what the rank wrote and not on the order it wrote it in. A rank that
-    wrote nothing (DCP gave every item to others) has the digest of no items."""
+    """SHA256 of each rank's part: over its items' (fqn, chunk offset, SHA256, and a value's
+    digest), sorted, so that it depends on what the rank wrote and not on the order it wrote
+    it in. A rank that wrote nothing (DCP gave every item to others) has the digest of no
+    items."""
     lines: dict[int, list[str]] = {}
     for index, rec in items.items():
+        value = "" if rec.value is None else f"\0{hashlib.sha256(rec.value.encode()).hexdigest()}"
         lines.setdefault(rec.rank, []).append(f"{index.fqn}\0{_offset_key(index)}\0"
-                                              f"{rec.sha256}\n")
+                                              f"{rec.sha256}{value}\n")
     return {rank: hashlib.sha256("".join(sorted(part)).encode()).hexdigest()
             for rank, part in lines.items()}
 
@@ -243,13 +261,7 @@ def build_manifest(*, step: int, world_size: int, level: str, reason: str,
             "save_id": storage.save_id, "modules": list(storage.modules)},
         "state": _state_to_json(metadata),
         "planner_data": _planner_data_to_json(metadata.planner_data),
-        "items": [{"fqn": index.fqn,
-                   "offset": None if index.offset is None else list(index.offset),
-                   "index": index.index, "rank": rec.rank, "file": rec.file, "at": rec.at,
-                   "bytes": rec.nbytes, "sha256": rec.sha256, "encoding": rec.encoding.value,
-                   "dtype": rec.dtype,
-                   "shape": None if rec.shape is None else list(rec.shape)}
-                  for index, rec in items.items()],
+        "items": [_item_to_json(index, rec) for index, rec in items.items()],
         "metadata_file": None if metadata_file is None else dict(metadata_file),
         "parts": {str(rank): digest for rank, digest in sorted(part_digests(items).items())},
     }
@@ -257,6 +269,19 @@ def build_manifest(*, step: int, world_size: int, level: str, reason: str,
         manifest["parts"].setdefault(str(rank), empty_part_digest())
     manifest["self_sha256"] = _digest(manifest)
     return manifest
+
+
+def _item_to_json(index: MetadataIndex, rec: ItemRecord) -> dict[str, Any]:
+    item = {"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
+            "index": index.index, "rank": rec.rank, "file": rec.file, "at": rec.at,
+            "bytes": rec.nbytes, "sha256": rec.sha256, "encoding": rec.encoding.value,
+            "dtype": rec.dtype, "shape": None if rec.shape is None else list(rec.shape)}
+    if rec.encoding is Encoding.BYTES:
+        if rec.value is None:
+            raise CheckpointFormatError(f"{index.fqn}: a non-tensor item without its JSON "
+                                        "value cannot be recorded")
+        item["value"] = json.loads(rec.value)
+    return item
 
 
 def _digest(manifest: Mapping[str, Any]) -> str:
@@ -271,15 +296,17 @@ def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
 def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     """The commit file in ``raw``, checked for format, version and its own digest (a
     mismatch raises ``IntegrityError``, any other fault ``CheckpointFormatError``)."""
-    return decode_self_digested(raw, where, fmt=DCP_FORMAT, version=DCP_FORMAT_VERSION,
+    return decode_self_digested(raw, where, fmt=DCP_FORMAT, version=DCP_READABLE_VERSIONS,
                                 digest=_digest)
 
 
 def manifest_items(manifest: Mapping[str, Any], where: str) -> dict[MetadataIndex, ItemRecord]:
     """Every item of a decoded commit file, checked: known encodings, items of one file back
-    to back from byte 0 (so that checking the items checks every byte of every file)."""
+    to back from byte 0 (so that checking the items checks every byte of every file), and
+    (version 2) every ``bytes`` item's value a valid encoded value."""
     items: dict[MetadataIndex, ItemRecord] = {}
     ends: dict[str, int] = {}
+    with_values = manifest.get("format_version") != 1
     for n, raw in enumerate(manifest.get("items", [])):
         at = f"{where}: items[{n}]"
         try:
@@ -294,6 +321,8 @@ def manifest_items(manifest: Mapping[str, Any], where: str) -> dict[MetadataInde
                              shape=None if shape is None else _ints(shape, at))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointFormatError(f"{at}: malformed ({e!r})") from e
+        if rec.encoding is Encoding.BYTES and with_values:
+            rec = dataclasses.replace(rec, value=_value_text(raw, f"{at} ({index.fqn!r})"))
         if rec.encoding is not Encoding.BYTES:
             _dtype(rec.dtype, at)
             if rec.shape is None:
@@ -304,6 +333,33 @@ def manifest_items(manifest: Mapping[str, Any], where: str) -> dict[MetadataInde
         ends[rec.file] = rec.at + rec.nbytes
         items[index] = rec
     return items
+
+
+def _value_text(raw: Mapping[str, Any], where: str) -> str:
+    """A version 2 ``bytes`` item's value, checked to decode, as canonical text."""
+    if "value" not in raw:
+        raise CheckpointFormatError(f"{where}: a non-tensor item without its JSON value "
+                                    "(ckptpilot does not read the pickle beside it)")
+    decode_value(raw["value"], f"{where}: value")
+    return canonical(raw["value"])
+
+
+def item_value(rec: ItemRecord, where: str) -> Any:
+    """The value of a ``bytes`` item, decoded from its JSON; a version 1 item (a pickle
+    only) is refused (:func:`pickled_refusal`)."""
+    if rec.value is None:
+        raise pickled_refusal(where)
+    return decode_value(json.loads(rec.value), f"{where}: value")
+
+
+def pickled_refusal(where: str) -> CheckpointFormatError:
+    """Why a version 1 non-tensor item is not loaded, and what to do about it."""
+    return CheckpointFormatError(
+        f"{where}: a non-tensor value that ckptpilot before DCP format version 2 stored only "
+        "as a pickle; ckptpilot never unpickles a checkpoint, so it does not load it. If you "
+        "trust these files, load that value with stock dcp.load and FileSystemReader on the "
+        "directory (codecs off: it has a .metadata) and save the step again with this "
+        "ckptpilot, or leave the key out of the state dict you load")
 
 
 def checkpoint_metadata(manifest: Mapping[str, Any], where: str) -> Metadata:

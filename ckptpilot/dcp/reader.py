@@ -11,14 +11,22 @@ before DCP starts. Read-only: it opens the metadata store read-only and changes 
 Lifecycle (DCP calls it in this order, on every rank): ``read_metadata`` (the commit file,
 checked, turned into DCP's ``Metadata``; DCP's pickled ``.metadata`` is never read),
 ``set_up_storage_reader``, ``prepare_local_plan`` and (coordinator) ``prepare_global_plan``
-(both unchanged), ``read_data``: each item a request needs is read once, whole, and its
-SHA256 checked before any of it is used — a request for part of a saved chunk (another
-sharding) verifies exactly the item its bytes come from. A mismatch or a short file raises
+(both unchanged), ``read_data``: each tensor item a request needs is read once, whole, and
+its SHA256 checked before any of it is used — a request for part of a saved chunk (another
+sharding) verifies exactly the item its bytes come from; a non-tensor value comes from the
+commit file, checked with it. A mismatch or a short file raises
 ``CheckpointFormatError`` naming the file, the item (fqn, chunk offset) and its byte range;
 DCP reports it from every rank as a ``CheckpointException``.
 
-Tensors are rebuilt without unpickling (``dcp.format``). A non-tensor value (DCP's "bytes"
-item) is handed, verified, to DCP's load planner, which deserialises it with ``torch.load``.
+Nothing read from storage is unpickled. Tensors are rebuilt from their storage records
+(``dcp.format``). A non-tensor value (DCP's "bytes" item) is decoded from its JSON in the
+verified commit file (``dcp.values``: only None, bool, int, float, str, lists, tuples and
+dicts are built); the pickle beside it in the data file, there for stock readers, is never
+read. DCP's ``LoadPlanner.load_bytes`` takes a value only as a stream that it passes to
+``torch.load`` (``DefaultLoadPlanner``: with ``weights_only=False``), so the stream handed
+to it is ``torch.save`` of that decoded value, made here: what the planner unpickles is plain
+data this process built, never bytes from storage. A version 1 "bytes" item, a pickle only, is
+refused when a load asks for it, naming the item (``dcp.format.pickled_refusal``).
 Threading: DCP's thread calls the methods, one at a time.
 """
 
@@ -30,6 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -41,6 +50,7 @@ from ckptpilot.dcp.format import (
     checkpoint_metadata,
     dcp_name,
     decode_item_tensor,
+    item_value,
     narrow,
 )
 from ckptpilot.dcp.storage import (
@@ -124,18 +134,23 @@ class Reader(StorageReader):
         for req in plan.items:
             wanted.setdefault(req.storage_index, []).append(req)
         by_file: dict[str, list[tuple[MetadataIndex, ItemRecord]]] = {}
-        for index in wanted:
+        for index, requests in wanted.items():
             rec = self._items.get(index)
             if rec is None:
                 raise CheckpointFormatError(f"{location}: the manifest has no item "
                                             f"{index.fqn!r} at {index.offset}")
-            by_file.setdefault(rec.file, []).append((index, rec))
+            _check_kind(requests, rec, rec.where(index, location))
+            if rec.encoding is Encoding.BYTES:  # its value is in the verified commit file
+                _apply_value(planner, requests, rec, rec.where(index, location))
+            else:
+                by_file.setdefault(rec.file, []).append((index, rec))
         for fname, entries in sorted(by_file.items()):
             with self.remote.open_read(f"{self.name}/{fname}") as f:
                 for index, rec in sorted(entries, key=lambda e: e[1].at):
                     payload = read_item(f, rec, index, location)
                     self.bytes_read += rec.nbytes
-                    self._apply(planner, wanted[index], rec, index, payload, location)
+                    _apply_tensor(planner, wanted[index], rec, payload,
+                                  rec.where(index, location))
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -163,27 +178,37 @@ class Reader(StorageReader):
             + (f" ({found})" if found else " (no DCP save recorded in its metadata store)")
             + "; Reader(..., step=N) loads a step by its files alone")
 
-    @staticmethod
-    def _apply(planner: LoadPlanner, requests: list[ReadItem], rec: ItemRecord,
-               index: MetadataIndex, payload: bytearray, location: str) -> None:
-        where = rec.where(index, location)
-        if any((req.type == LoadItemType.BYTE_IO) != (rec.encoding is Encoding.BYTES)
-               for req in requests):
-            raise CheckpointFormatError(f"{where}: the load plan and the manifest disagree on "
-                                        "whether it is a tensor")
-        if rec.encoding is Encoding.BYTES:
-            for req in requests:
-                planner.load_bytes(req, io.BytesIO(payload))
-            return
-        saved = decode_item_tensor(rec, payload, where)
-        for req in requests:
-            piece = narrow(saved, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != piece.size():
-                raise CheckpointFormatError(f"{where}: the load plan wants {list(target.size())}"
-                                            f" of it, the item gives {list(piece.size())}")
-            target.copy_(piece)
-            planner.commit_tensor(req, target)
+
+def _check_kind(requests: list[ReadItem], rec: ItemRecord, where: str) -> None:
+    if any((req.type == LoadItemType.BYTE_IO) != (rec.encoding is Encoding.BYTES)
+           for req in requests):
+        raise CheckpointFormatError(f"{where}: the load plan and the manifest disagree on "
+                                    "whether it is a tensor")
+
+
+def _apply_value(planner: LoadPlanner, requests: list[ReadItem], rec: ItemRecord,
+                 where: str) -> None:
+    """A non-tensor value to the planner, as a stream of plain data built here (the module
+    docstring says why a stream)."""
+    value = item_value(rec, where)
+    for req in requests:
+        stream = io.BytesIO()
+        torch.save(value, stream)
+        stream.seek(0)
+        planner.load_bytes(req, stream)
+
+
+def _apply_tensor(planner: LoadPlanner, requests: list[ReadItem], rec: ItemRecord,
+                  payload: bytearray, where: str) -> None:
+    saved = decode_item_tensor(rec, payload, where)
+    for req in requests:
+        piece = narrow(saved, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != piece.size():
+            raise CheckpointFormatError(f"{where}: the load plan wants {list(target.size())}"
+                                        f" of it, the item gives {list(piece.size())}")
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
 
 
 def recorded_rows(policy: Policy) -> dict[int, list[CheckpointRow]]:

@@ -21,6 +21,7 @@ from ckptpilot.catalog import Catalog
 from ckptpilot.dcp.format import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
+    Encoding,
     ItemRecord,
     decode_manifest,
     item_digest,
@@ -225,7 +226,7 @@ def check_published(store: MetadataStore, run_id: str, tier: RemoteTier, *,
         try:
             manifest = read_manifest(tier, name)
             verify_dcp(tier, name, manifest, ranks={row.rank: row.sha256 for row in rows})
-            ok, reason = True, "ok (hashes only)"
+            ok, reason = True, "ok (hashes only)" + _pickled_note(tier, name, manifest)
         except CheckpointFormatError as e:
             ok, reason = False, str(e)
         if manifest is None:
@@ -236,6 +237,17 @@ def check_published(store: MetadataStore, run_id: str, tier: RemoteTier, *,
                 _add_rows(store, run_id, tier, name, manifest, {row.rank for row in rows})
         checks.extend(PartCheck(step, rank, name, level, ok, reason) for rank in ranks)
     return checks
+
+
+def _pickled_note(tier: RemoteTier, name: str, manifest: Mapping[str, Any]) -> str:
+    """What a load of a version 1 checkpoint will refuse: its non-tensor items, pickles only
+    (``dcp.format.pickled_refusal``); its tensors load."""
+    pickled = sorted(index.fqn for index, rec in manifest_items(manifest, tier.path(name)).items()
+                     if rec.encoding is Encoding.BYTES and rec.value is None)
+    if not pickled:
+        return ""
+    return (f"; its non-tensor item(s) {', '.join(map(repr, pickled[:5]))} are pickles "
+            "(DCP format version 1), which ckptpilot does not load")
 
 
 def _add_rows(store: MetadataStore, run_id: str, tier: RemoteTier, name: str,

@@ -26,6 +26,14 @@ The policy's other checks (``validation.load_test``: a worker process decoding t
 and comparing it with the live model) are the pilot's and are not run here: the read-back
 re-hash is what stands between a bad write and a ``valid`` row.
 
+A non-tensor value (DCP's "bytes" item) is recorded as JSON in the commit file
+(``dcp.values``), which is what ``Reader`` loads; its file keeps DCP's ``torch.save`` of it, for
+stock readers. The JSON comes from that very stream, read back with
+``torch.load(weights_only=True)`` (bytes the planner made in this process a moment before,
+not bytes from storage), so the value recorded is the one DCP serialised, whatever the
+planner. A value with no JSON form (a set, bytes, an object, a tensor inside a tuple) fails
+the save on that rank, naming the step and the item and saying what to store instead.
+
 Codecs are off by default: the directory is then a plain DCP checkpoint that stock
 ``dcp.load`` with ``FileSystemReader`` reads. ``codecs=True`` encodes each tensor with the
 policy's codecs (a self-contained blob per item, no delta) and writes no ``.metadata``, so a
@@ -42,6 +50,7 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import time
 import uuid
 from collections import Counter
@@ -72,6 +81,7 @@ from ckptpilot.dcp.format import (
     part_digests,
 )
 from ckptpilot.dcp.storage import read_item, remote_of, resolve_policy, retire_step
+from ckptpilot.dcp.values import canonical, encode_value, unsupported
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.policy import Policy
 from ckptpilot.rundir import metadata_path, run_identity
@@ -306,8 +316,10 @@ class Writer(StorageWriter):
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"{item.index.fqn}: the planner resolved an object item to "
                                 f"{type(data).__name__}, not io.BytesIO")
+            value = self._json_of(item.index.fqn, data)
             stream.write(data.getbuffer())
-            return ItemRecord(self._rank, file, at, stream.size, stream.sha256, Encoding.BYTES)
+            return ItemRecord(self._rank, file, at, stream.size, stream.sha256, Encoding.BYTES,
+                              value=value)
         shape = () if item.tensor_data is None else tuple(item.tensor_data.chunk.sizes)
         if (item.tensor_data is None or not isinstance(data, torch.Tensor)
                 or tuple(data.shape) != shape):
@@ -327,6 +339,17 @@ class Writer(StorageWriter):
             encoding = Encoding.TORCH_SAVE
         return ItemRecord(self._rank, file, at, stream.size, stream.sha256, encoding, dtype,
                           shape)
+
+    def _json_of(self, fqn: str, data: io.BytesIO) -> str:
+        """The canonical JSON of the value the planner serialised into ``data``."""
+        item = f"{self.name} (step {self.step}): item {fqn!r}"
+        try:
+            value = torch.load(io.BytesIO(data.getbuffer()), weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            raise unsupported(item, f"a value of type {found.group(1) if found else '?'}"
+                              ) from None
+        return canonical(encode_value(value, item))
 
     def _check_written(self, store: MetadataStore, key: CheckpointKey, rel: str,
                        items: Mapping[MetadataIndex, ItemRecord]) -> None:
