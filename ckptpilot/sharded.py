@@ -614,8 +614,11 @@ class ShardedState:
             where = f"{load.reader.checkpoint_id}: rank/{r}/meta"
             try:
                 meta = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int too long
                 raise CheckpointFormatError(f"{where}: not valid JSON ({e})") from e
+            if not isinstance(meta, dict):
+                raise CheckpointFormatError(f"{where}: a JSON {type(meta).__name__}, not an "
+                                            "object")
             if (meta.get("format"), meta.get("format_version")) != (SHARDED_FORMAT,
                                                                    SHARDED_FORMAT_VERSION):
                 raise CheckpointFormatError(
