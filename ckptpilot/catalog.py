@@ -7,7 +7,9 @@ continuation after a restored step abandoned; the saves before a loss spike prot
 pruning; a metric attached; a copy that failed on restore condemned. The rules for *which*
 status a row moves to live here, in one place, instead of beside each tier's write. It also
 owns the recover pin (``ckptpilot recover --step N`` writes it, the next ``restore`` consumes
-it), shared with :mod:`ckptpilot.runops`.
+it), shared with :mod:`ckptpilot.runops`, and the rank's current continuation: abandoning
+the saves after a restored step first records a fork in the rank's lineage file
+(``storage.lineage``), so that the files, not only these rows, say what was abandoned.
 
 It must not touch checkpoint bytes or decide what to save or restore: tiers hold bytes, the
 writer and the restorer decide. Threading: the writer thread and (during a restore) the
@@ -23,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptpilot.errors import NoCheckpointError
+from ckptpilot.rundir import lineage_path
+from ckptpilot.storage.lineage import Lineage, read_lineage
+from ckptpilot.storage.lineage import fork as _fork
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
 from ckptpilot.vocab import CheckpointKey, RetentionClass, Status, Tier
 
@@ -64,6 +69,13 @@ class Catalog:
         self.run_id = run_id
         self.rank = rank
         self._run_dir = run_dir
+        # The continuation this rank's saves go to ("" before the first restore).
+        self.branch = self.lineage().current
+
+    def lineage(self) -> Lineage:
+        """This rank's lineage record as the file says now (``ckptpilot recover`` may have
+        added to it); raises ``LineageError`` when it is damaged."""
+        return read_lineage(lineage_path(self._run_dir, self.rank))
 
     def key(self, step: int, tier: Tier) -> CheckpointKey:
         return CheckpointKey(self.run_id, step, self.rank, tier)
@@ -102,10 +114,15 @@ class Catalog:
             if row.step < step and row.status is Status.VALID:
                 self.store.mark(row.key, Status.EXPIRED, note=why)
 
-    def abandon_after(self, step: int) -> None:
+    def abandon_after(self, step: int, *, fork: bool = True) -> None:
         """Restoring ``step`` abandons the continuation saved after it (in any tier);
         expiring its rows keeps a later restore, after a crash, from going back to it.
-        (Re-saving one of those steps would set its files aside anyway.)"""
+        (Re-saving one of those steps would set its files aside anyway.) With ``fork`` (a
+        checkpoint was loaded) the new continuation is recorded first, durably, before any
+        save can go to it."""
+        if fork:
+            self.branch = _fork(lineage_path(self._run_dir, self.rank), step,
+                                f"pilot restore, rank {self.rank}").current
         for row in self.store.rows(self.run_id, rank=self.rank):
             if row.step > step and row.status in (Status.VALID, Status.PENDING):
                 target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED

@@ -58,3 +58,14 @@ class RollbackLimitError(CkptPilotError, RuntimeError):
 
 class RunDirBusyError(CkptPilotError, RuntimeError):
     """Another live pilot holds this rank's lease on the run directory."""
+
+
+class RunIdError(CkptPilotError, RuntimeError):
+    """The run directory's ``run_id`` file is damaged and nothing left in the directory says
+    what it was; the message names the file and how to put it right."""
+
+
+class LineageError(CkptPilotError, RuntimeError):
+    """A rank's lineage record (``lineage_rank_NNNNN.jsonl``: where each restore cut the run's
+    history) is damaged, or a checkpoint names a continuation the record does not know, so
+    which saved steps a restore abandoned cannot be told."""

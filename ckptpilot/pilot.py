@@ -341,7 +341,7 @@ class CheckpointPilot:
     def _after_restore(self, step: int, level: Level | None) -> None:
         if self.memory is not None:
             self.memory.drop_after(step)
-        self._catalog.abandon_after(step)
+        self._catalog.abandon_after(step, fork=level is not None)
         self.scheduler.restart(step)
         self.step = self._base_step = step
         self._optimizer_steps = 0

@@ -5,7 +5,10 @@ archives with their rows, the memory tier's newest snapshot, the peers' checkpoi
 it by the recovery planner (``validation.recovery``: newest valid first, walk back on
 damage, then the newest organ), tries each step's sources fastest first, re-verifying every
 read, and hands the first that verifies to the caller's ``apply``. In a distributed run every
-rank restores the same step (:class:`~ckptpilot.agreement.RankAgreement`). It also repairs
+rank restores the same step (:class:`~ckptpilot.agreement.RankAgreement`). A checkpoint
+the rank's lineage record says a restore abandoned (``storage.lineage``) is never loaded,
+whatever its row says or when it has none: remote archives without a row are excluded from
+their manifest's ``branch``, every read is checked again on its state's. It also repairs
 what a killed writer left (staging debris, rows still ``pending``) and condemns copies that
 fail verification.
 
@@ -31,6 +34,7 @@ from ckptpilot.errors import (
     CheckpointFormatError,
     CkptPilotError,
     IntegrityError,
+    LineageError,
     NoCheckpointError,
 )
 from ckptpilot.storage.archive import (
@@ -41,6 +45,7 @@ from ckptpilot.storage.archive import (
     read_manifest,
     read_organ,
 )
+from ckptpilot.storage.lineage import Lineage
 from ckptpilot.tiers.base import CheckpointTier
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier
@@ -59,6 +64,10 @@ _ALWAYS_REPORTED = 1 << 62  # a "missing" entry newer than any step: reported on
 class _OtherWorldSize(CkptPilotError):
     """A rank-local copy (memory, peer) saved by a run of another world size: passed over,
     not condemned (its bytes are fine)."""
+
+
+class _Abandoned(CkptPilotError):
+    """A copy of a continuation a restore abandoned: passed over, not condemned."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,7 @@ class Restorer:
         self._peers = peers
         self._memory = memory
         self._agreement = agreement
+        self._lineage: Lineage | None = None  # of the restore being planned; None: forced
 
     def restore(self, step: int | None, apply: Callable[[Read], None], *,
                 before: int | None = None,
@@ -206,7 +216,8 @@ class Restorer:
             step = pin.step
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
-        candidates, missing, digests = self._remote_candidates()
+        self._lineage = None if forced else self._catalog.lineage()
+        candidates, missing, digests = self._remote_candidates(self._lineage)
         if before is not None:
             candidates = [c for c in candidates if c.step < before]
             missing = [(s, m) for s, m in missing if s < before]
@@ -267,15 +278,28 @@ class Restorer:
         skipped with its reason."""
         for option in options:
             try:
-                return option.read()
-            except _OtherWorldSize as e:
+                read = option.read()
+                self._check_lineage(read)
+                return read
+            except (_OtherWorldSize, _Abandoned) as e:
                 log.warning("skipping checkpoint %s: %s", option.where, e)
                 skipped.append(SkippedCheckpoint(option.where, str(e)))
+            except LineageError:
+                raise  # not this copy's fault: which continuation is current is not known
             except option.unreadable as e:
                 log.warning("skipping checkpoint %s: %s", option.where, e)
                 skipped.append(SkippedCheckpoint(option.where, str(e)))
                 option.on_fail(e)
         return None
+
+    def _check_lineage(self, read: Read) -> None:
+        """Raise ``_Abandoned`` for a read of an abandoned continuation (the state says which
+        continuation it was saved on): a row or a peer listing may still offer one, e.g.
+        when a kill fell between recording a fork and expiring the rows."""
+        if self._lineage is not None:
+            why = self._lineage.why_abandoned(read.meta.get("branch"), int(read.meta["step"]))
+            if why is not None:
+                raise _Abandoned(why)
 
     def _peer_targets(self, step: int | None, newest_remote: int) -> list[int]:
         """Peer checkpoints to try, newest first: ``step`` if it is a valid peer row, else
@@ -310,11 +334,14 @@ class Restorer:
         if isinstance(error, CheckpointFormatError):
             self._catalog.condemn(step, Tier.REMOTE, error)
 
-    def _remote_candidates(self) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
-                                          dict[int, str]]:
+    def _remote_candidates(self, lineage: Lineage | None
+                           ) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
+                                      dict[int, str]]:
         """Published archives of this rank with their metadata status, and the ``valid`` rows
         whose archive is missing (deleted, a wrong mount or ``tiers.remote.url``): those count
         as checkpoints that exist, so losing them is never a silent restart from scratch.
+        An archive without a row is excluded when ``lineage`` says a restore abandoned it
+        (None: a forced restore, which loads what it is told).
         Repairs the traces a killed writer left (staging directories, rows still
         ``pending``). Also returns the manifest digest each step's row recorded."""
         remote = self._remote
@@ -355,10 +382,14 @@ class Restorer:
                 candidates.append(Candidate(step, row.level, Tier.REMOTE, name, row.status))
                 continue
             try:  # no metadata (database lost or rebuilt): the manifest says what it is
-                level = read_manifest(remote, name)["level"]
-            except (CheckpointFormatError, OSError):
-                level = "unknown"
-            candidates.append(Candidate(step, level, Tier.REMOTE, name, None))
+                manifest = read_manifest(remote, name)
+            except (CheckpointFormatError, OSError):  # reading it again reports why
+                level, abandoned = "unknown", None
+            else:
+                level = manifest["level"]
+                abandoned = (None if lineage is None
+                             else lineage.why_abandoned(manifest.get("branch"), step))
+            candidates.append(Candidate(step, level, Tier.REMOTE, name, None, abandoned))
         missing = [
             (row.step, SkippedCheckpoint(row.location, (
                 f"recorded valid but cannot list {remote.url}: {unlisted}" if unlisted

@@ -1,10 +1,14 @@
 """What a run directory holds beside its checkpoints: the run's identity and the live pilot's
 lease.
 
-- **Identity** (file ``run_id``): a random id made once per run directory. Metadata rows and
-  shared peers are keyed by it rather than by the folder's name, so a copied or renamed run
-  directory keeps its history, and two jobs that both call their directory ``run`` stay apart.
-  Created by an atomic link, so ranks starting together agree on one.
+- **Identity** (file ``run_id``): a random id (16 hex digits) made once per run directory.
+  Metadata rows and shared peers are keyed by it rather than by the folder's name, so a copied
+  or renamed run directory keeps its history, and two jobs that both call their directory
+  ``run`` stay apart. Created by an atomic link, so ranks starting together agree on one. A
+  damaged file (empty, blank, not text, not 16 hex digits) is never replaced by a new id,
+  which would orphan every row: the id the metadata database's rows carry repairs it (a
+  WARNING says from where; readers that must not write use it without writing), and with no
+  such record :class:`~ckptpilot.errors.RunIdError` names the file and the fix.
 - **Lease** (file ``lease_rank_NNNNN.lock``): an exclusive OS file lock (``flock``) that a live
   pilot holds for its rank. A second pilot for the same rank of the same run directory refuses
   to start instead of silently sharing (and overwriting) checkpoints, heartbeat ring and
@@ -21,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -29,37 +35,105 @@ import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ckptpilot.errors import RunDirBusyError
+from ckptpilot.errors import CkptPilotError, RunDirBusyError, RunIdError
+from ckptpilot.storage.metadata import MetadataStore
 
 RUN_ID_FILE = "run_id"
-__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunLease", "aside_path", "every_lease",
-           "lease_path", "read_run_id", "run_identity"]
+__all__ = ["RUN_ID_FILE", "RunDirBusyError", "RunIdError", "RunLease", "aside_path",
+           "every_lease", "lease_path", "lineage_path", "read_run_id", "run_identity"]
+
+log = logging.getLogger("ckptpilot")
+
+_RUN_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def read_run_id(run_dir: Path) -> str | None:
-    """The run's id, or None when the directory has none yet (never written to by a pilot)."""
+    """The run's id, or None when the directory has none yet (never written to by a pilot).
+    Writes nothing: a damaged file is read as the id the metadata records (see the module
+    docstring), or raises :class:`RunIdError`."""
+    path = run_dir / RUN_ID_FILE
     try:
-        text = (run_dir / RUN_ID_FILE).read_text().strip()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    return text or None
+    problem = _run_id_problem(raw)
+    if problem is None:
+        return raw.decode().strip()
+    recorded = _recorded_run_id(run_dir, path, problem)
+    log.warning("%s is damaged (%s); using run id %s, which the rows of %s carry (the file is "
+                "left as is: the next pilot start or `ckptpilot validate --rebuild` repairs "
+                "it)", path, problem, recorded, metadata_path(run_dir))
+    return recorded
 
 
 def run_identity(run_dir: Path) -> str:
-    """The run's id, created on first use. Raises ``OSError`` when it must be created and the
-    directory is not writable."""
-    existing = read_run_id(run_dir)
-    if existing is not None:
-        return existing
+    """The run's id, created on first use and repaired when damaged. Raises ``OSError`` when
+    it must be written and the directory is not writable, :class:`RunIdError` when it is
+    damaged and nothing records what it was."""
+    path = run_dir / RUN_ID_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        pass
+    else:
+        problem = _run_id_problem(raw)
+        if problem is None:
+            return raw.decode().strip()
+        recorded = _recorded_run_id(run_dir, path, problem)
+        tmp = run_dir / f".run_id.{os.getpid()}.{uuid.uuid4().hex}"
+        tmp.write_text(recorded)
+        os.replace(tmp, path)
+        log.warning("%s was damaged (%s); repaired it to run id %s, which the rows of %s "
+                    "carry", path, problem, recorded, metadata_path(run_dir))
+        return recorded
     tmp = run_dir / f".run_id.{os.getpid()}.{uuid.uuid4().hex}"
     tmp.write_text(uuid.uuid4().hex[:16])
     try:
-        os.link(tmp, run_dir / RUN_ID_FILE)
+        os.link(tmp, path)
     except FileExistsError:
         pass
     finally:
         tmp.unlink()
-    return (run_dir / RUN_ID_FILE).read_text().strip()
+    return run_identity(run_dir)
+
+
+def _run_id_problem(raw: bytes) -> str | None:
+    """What is wrong with the bytes of a run id file (None: a valid id)."""
+    if not raw:
+        return "empty"
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return f"not text: {raw[:24]!r}"
+    if not text:
+        return "only white space"
+    if not _RUN_ID.fullmatch(text):
+        return f"{text[:40]!r} is not a run id of 16 hex digits"
+    return None
+
+
+def _recorded_run_id(run_dir: Path, path: Path, problem: str) -> str:
+    """The one run id the metadata database's rows carry, for repairing a damaged file."""
+    db = metadata_path(run_dir)
+    found: list[str] = []
+    why = f"there is no {db}"
+    if os.path.lexists(db):
+        try:
+            with MetadataStore(db, read_only=True) as store:
+                found = [k for k in store.run_ids() if _RUN_ID.fullmatch(k)]
+        except CkptPilotError as e:
+            why = f"{db} cannot be read ({e})"
+        else:
+            why = f"{db} records no run id"
+    if len(found) == 1:
+        return found[0]
+    if found:
+        why = f"{db} holds rows of {len(found)} run ids ({', '.join(found)})"
+    raise RunIdError(
+        f"{path} is damaged ({problem}) and nothing records the run's id: {why}. Write the "
+        "run's 16-hex-digit id into the file (from a backup, or the run_id column of a copy "
+        "of metadata.sqlite); or, if no recorded history of this run must be kept, remove the "
+        "file: the next pilot start makes a new id")
 
 
 def metadata_path(run_dir: Path) -> Path:
@@ -75,6 +149,11 @@ def heartbeat_path(run_dir: Path, rank: int) -> Path:
 def ledger_path(run_dir: Path, rank: int) -> Path:
     """The rank's failure ledger (``storage.ledger``)."""
     return run_dir / f"ledger_rank_{rank:05d}.jsonl"
+
+
+def lineage_path(run_dir: Path, rank: int) -> Path:
+    """The rank's lineage record (``storage.lineage``)."""
+    return run_dir / f"lineage_rank_{rank:05d}.jsonl"
 
 
 def lease_path(run_dir: Path, rank: int) -> Path:

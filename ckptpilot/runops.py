@@ -21,11 +21,20 @@ from ckptpilot.catalog import write_pin
 from ckptpilot.dcp.format import parse_dcp_name
 from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
 from ckptpilot.dcp.storage import read_manifest as read_dcp_manifest
-from ckptpilot.errors import CheckpointFormatError, CkptPilotError
+from ckptpilot.errors import CheckpointFormatError, CkptPilotError, LineageError
 from ckptpilot.policy import Policy
 from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
-from ckptpilot.rundir import aside_path, every_lease, metadata_path, read_run_id, run_identity
+from ckptpilot.rundir import (
+    aside_path,
+    every_lease,
+    lineage_path,
+    metadata_path,
+    read_run_id,
+    run_identity,
+)
 from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
+from ckptpilot.storage.damaged import set_aside
+from ckptpilot.storage.lineage import Lineage, UnknownContinuationError, fork, read_lineage
 from ckptpilot.storage.metadata import CheckpointRow, MetadataCorruptError, MetadataStore
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
@@ -154,8 +163,12 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
 
     Checkpoints of later steps belong to the continuation being abandoned; they are set
     aside (renamed, kept for inspection until the next prune) and their rows expired, so
-    that a restart does not mistake them for the newest state. With ``force`` a pin file
-    makes the next ``restore()`` load exactly this step whatever its metadata status.
+    that a restart does not mistake them for the newest state. First, every rank's lineage
+    record gets a reset fork at ``step`` (``storage.lineage``): the abandonment holds for
+    copies no row lists (the peers') and survives a lost database, and continuations a lost
+    record no longer knows are adopted up to ``step``. With ``force`` a pin file makes the
+    next ``restore()`` load exactly this step whatever its metadata status, and a damaged
+    lineage record is set aside (kept) instead of refused.
     """
     run = Run(policy)
     with run.store(read_only=dry_run) as store:
@@ -187,9 +200,18 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
             names = [n for _, _, n in later] + [n for _, n in later_dcp]
             print(f"{'would set' if dry_run else 'setting'} aside {len(names)} later "
                   f"checkpoint(s): {', '.join(names)}", file=out)
+        damaged = _damaged_lineages(run, {rk for _, rk, _ in published}, force)
+        for path in damaged:
+            print(f"{'would set' if dry_run else 'setting'} aside the damaged lineage record "
+                  f"{path}", file=out)
         if dry_run:
             print("dry run: nothing changed", file=out)
             return 0
+        for path, problem in damaged.items():
+            set_aside(path, problem, f"`ckptpilot recover --step {step} --force` starts a "
+                      "new record there")
+        for path in _lineage_paths(run, {rk for _, rk, _ in published}):
+            fork(path, step, f"ckptpilot recover --step {step}", reset=True)
         abandoned = []
         for s, rank, name in later:
             aside = run.remote.set_aside(name, f"abandoned-by-recover-{step}")
@@ -221,6 +243,30 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
                     {"step": step, "ranks": [rk for rk, _ in targets], "abandoned": abandoned})
     print(f"recovery point set to step {step}" + (" (forced)" if force else ""), file=out)
     return 0
+
+
+def _lineage_paths(run: Run, ranks: set[int]) -> list[Path]:
+    """The lineage record of every rank with a checkpoint or a record."""
+    found = set(ranks)
+    for path in run.dir.glob("lineage_rank_*.jsonl"):
+        rank = path.stem.rsplit("_", 1)[1]
+        if rank.isdigit():
+            found.add(int(rank))
+    return [lineage_path(run.dir, rank) for rank in sorted(found)]
+
+
+def _damaged_lineages(run: Run, ranks: set[int], force: bool) -> dict[Path, str]:
+    """The lineage records that cannot be read, with why; raises the first one's
+    ``LineageError`` unless ``force``."""
+    damaged = {}
+    for path in _lineage_paths(run, ranks):
+        try:
+            read_lineage(path)
+        except LineageError as e:
+            if not force:
+                raise
+            damaged[path] = str(e)
+    return damaged
 
 
 def _dcp_plan(store: MetadataStore, run: Run, step: int, name: str,
@@ -307,7 +353,10 @@ def validate(policy: Policy, *, rebuild: bool, out: TextIO, dry_run: bool = Fals
     ``rebuild`` first recreates the metadata database from the manifests, keyed by the run's
     id (created if the directory has none); an existing file is renamed, never deleted:
     ``.damaged-<unix time>`` when it cannot be read, ``.before-rebuild-<unix time>``
-    otherwise. ``dry_run`` reports the same results and marks nothing.
+    otherwise. A checkpoint its rank's lineage record says a restore abandoned
+    (``storage.lineage``) gets an ``expired`` row, as the original database had: a restore
+    does not resume it and a prune removes it. ``dry_run`` reports the same results and marks
+    nothing.
     """
     if rebuild and dry_run:
         raise OpError("--rebuild writes a new database; it cannot be combined with --dry-run")
@@ -319,8 +368,13 @@ def validate(policy: Policy, *, rebuild: bool, out: TextIO, dry_run: bool = Fals
 
 
 def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: bool) -> int:
+    lineages: dict[int, Lineage] = {}
+    unknown: list[str] = []
     if rebuild:
         run.run_id = run_identity(run.dir)
+        # Before anything moves: a damaged record stops the rebuild.
+        lineages = {rank: read_lineage(lineage_path(run.dir, rank))
+                    for _, rank, _ in run.published()}
         if os.path.lexists(run.db_path):
             label = "damaged" if _is_damaged(run.db_path) else "before-rebuild"
             aside = _set_aside(run.db_path, label)
@@ -344,6 +398,14 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
             row = store.get(key)
             if row is None and rebuild and manifest is not None:
                 row = _row_from_manifest(store, run, manifest, name)
+                try:
+                    why = lineages[rank].why_abandoned(manifest.get("branch"), step)
+                except UnknownContinuationError as e:
+                    unknown.append(f"{name}: {e}")
+                    why = None
+                if why is not None:
+                    row = store.mark(row.key, Status.EXPIRED, note=f"abandoned: {why}")
+                    reason = f"{reason}; abandoned, row expired: {why}"
             _settle(store, row, result_ok, reason, dry_run, would_mark)
             bad += not result_ok
             table.append((step, rank, "-" if manifest is None else manifest["level"],
@@ -365,6 +427,9 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
     if debris:
         print(f"{len(debris)} unfinished save(s) left by killed writers: {', '.join(debris)} "
               "(the next restore() removes them)", file=out)
+    if unknown:
+        print(f"{len(unknown)} checkpoint(s) name a continuation their lineage record does "
+              f"not know; restore() refuses to guess: {unknown[0]}", file=out)
     print(f"{len(table) - bad} ok, {bad} corrupted", file=out)
     if dry_run:
         print(f"dry run: would mark {would_mark[Status.CORRUPTED]} row(s) corrupted and "

@@ -164,7 +164,10 @@ class CheckpointWriter:
         self._slots.release()
 
     def submit(self, snapshot: Snapshot, plan: SavePlan, stall: float) -> None:
-        """Queue the save of ``snapshot`` (its slot already acquired)."""
+        """Queue the save of ``snapshot`` (its slot already acquired), tagged with the
+        continuation it belongs to (``storage.lineage``: none before the first restore)."""
+        if self._catalog.branch:
+            snapshot.meta["branch"] = self._catalog.branch
         job = _Job(snapshot.step, "save")
         job.future = self._executor.submit(self._persist, snapshot, plan, stall, job)
         self._jobs.append(job)

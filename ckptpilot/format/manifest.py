@@ -6,7 +6,10 @@ names the format and its version, the checkpoint (name, step, rank), why and how
 (version 2: the SHA256 of every chunk, ``format.digest``; version 1, still read: one SHA256 of
 the whole file), and it carries ``self_sha256``, the SHA256 of its own other keys
 (``json.dumps(..., sort_keys=True)``), so a manifest edited or damaged after writing is
-refused. The key order and the one-space indent are part of the format: the metadata store
+refused. ``branch``, present only in a checkpoint saved after the run was restored, is the
+continuation it was saved on (``storage.lineage``); an optional key, so no new version:
+older readers ignore it and a manifest without it belongs to the run's first continuation.
+The key order and the one-space indent are part of the format: the metadata store
 records ``self_sha256``, and a golden file pins the bytes.
 
 Owns the format name and version, the manifest's keys, its bytes and their check. Must not
@@ -46,11 +49,13 @@ def manifest_digest(manifest: Mapping[str, Any]) -> str:
 def build_manifest(*, name: str, step: int, rank: int, world_size: int, epoch: int | None,
                    level: str, reason: str, retention_class: str, score: float | None,
                    created_unix: float, state_bytes: int,
-                   files: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+                   files: Mapping[str, Mapping[str, Any]],
+                   branch: str | None = None) -> dict[str, Any]:
     """A complete manifest, ``self_sha256`` included, keys in the format's order.
 
     ``files`` maps each file of the archive to its record (``format.digest``; a container's
-    also has ``tensors_digest``).
+    also has ``tensors_digest``). ``branch`` (None or "": the first continuation, no key)
+    goes before ``files``.
     """
     manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
@@ -66,8 +71,10 @@ def build_manifest(*, name: str, step: int, rank: int, world_size: int, epoch: i
         "score": score,
         "created_unix": created_unix,
         "state_bytes": state_bytes,
-        "files": {fname: dict(rec) for fname, rec in files.items()},
     }
+    if branch:
+        manifest["branch"] = branch
+    manifest["files"] = {fname: dict(rec) for fname, rec in files.items()}
     manifest["self_sha256"] = manifest_digest(manifest)
     return manifest
 

@@ -4,6 +4,8 @@
 - ``metadata.py``: the SQLite metadata store (checkpoint rows, hash chain, audit trail);
 - ``heartbeat.py``: the level-0 heartbeat ring, a memory-mapped file in the run directory;
 - ``ledger.py``: the failure ledger, JSON lines in the run directory, from which the MTBF comes;
+- ``lineage.py``: each rank's fork record (JSON lines in the run directory), which says which
+  saved steps a restore to an earlier step abandoned, so that no lost database revives them;
 - ``damaged.py``: setting a damaged heartbeat ring or ledger aside so that a restart goes on.
 
 The heartbeat ring and the ledger live here rather than beside the scheduler because they are

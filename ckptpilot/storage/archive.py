@@ -270,7 +270,7 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
         name=name, step=snapshot.step, rank=meta["rank"], world_size=meta["world_size"],
         epoch=meta.get("epoch"), level=level, reason=reason, retention_class=retention_class,
         score=score, created_unix=time.time() if created_unix is None else created_unix,
-        state_bytes=snapshot.nbytes, files=files)
+        state_bytes=snapshot.nbytes, files=files, branch=meta.get("branch"))
     commit: bytes | None = encode_manifest(manifest)
     if tier.renames:
         tier.write_file(f"{staging}/{MANIFEST_FILE}", [commit])

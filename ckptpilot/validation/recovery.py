@@ -8,7 +8,8 @@ Order: newest first across tiers (memory → peer → remote at equal step: fast
 most ``max_walk`` attempts walking back the chain, then the newest organ not yet tried (an
 organ is self-contained, so it still loads when every recent delta chain is broken).
 A checkpoint the metadata marks ``corrupted``/``expired``/``pending`` is not attempted; one
-the metadata does not know (database lost or stale) is attempted — reading verifies it.
+the metadata does not know (database lost or stale) is attempted — reading verifies it —
+unless the run's lineage record says a restore abandoned it (``abandoned``: why).
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from ckptpilot.vocab import Level, Status, Tier
 @dataclass(frozen=True)
 class Candidate:
     """One copy of one step. ``level`` is a plain string when the copy's own manifest
-    cannot say (``"unknown"``); ``status`` is None when the metadata store has no row."""
+    cannot say (``"unknown"``); ``status`` is None when the metadata store has no row;
+    ``abandoned`` says why the copy belongs to a continuation a restore abandoned."""
 
     step: int
     level: Level | str
     tier: Tier
     name: str
     status: Status | None
+    abandoned: str | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,9 @@ def plan_recovery(candidates: Sequence[Candidate], *, max_walk: int = 5,
     for c in candidates:
         if step is not None and c.step != step:
             continue
-        if c.status is not None and c.status != Status.VALID:
+        if c.abandoned is not None:
+            excluded.append((c, c.abandoned))
+        elif c.status is not None and c.status != Status.VALID:
             excluded.append((c, f"marked {Status(c.status).value} in the metadata store"))
         else:
             usable.append(c)
