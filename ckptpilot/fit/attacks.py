@@ -1,5 +1,6 @@
 """The ``ckptpilot fit`` scenarios that attack the job from outside its process: peer daemons
-killed or hung (SIGSTOP) under one or two ranks.
+killed or hung (SIGSTOP) under one or two ranks; an operator's catalogue rebuilt after a
+restore abandoned newer steps.
 
 Each is a ``checks.Check`` built here and registered in ``scenarios.SCENARIOS``; the
 vocabulary (outcomes, reading the children) is ``checks``'.
@@ -7,10 +8,13 @@ vocabulary (outcomes, reading the children) is ``checks``'.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 from ckptpilot.fit.checks import (
     BETWEEN_STEP,
+    SECOND_KILL_STEP,
     Check,
     Observation,
     ScenarioFailed,
@@ -18,7 +22,9 @@ from ckptpilot.fit.checks import (
     newest_save,
     passed,
     refusal,
+    restored,
     resume,
+    valid_steps,
 )
 from ckptpilot.fit.harness import Harness, Trial
 from ckptpilot.storage.archive import list_archives
@@ -83,3 +89,40 @@ def common_remote(trial: Trial) -> int | None:
     common = held[0] & held[1]
     return max(common) if common else None
 
+
+
+def _cli(trial: Trial, *args: str) -> str:
+    """Run one ``ckptpilot`` command on the trial's run, as an operator would."""
+    done = subprocess.run([sys.executable, "-m", "ckptpilot", *args, "--config",
+                           str(trial.policy_path)], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise ScenarioFailed(f"`ckptpilot {' '.join(args)}` exited {done.returncode}: "
+                             f"{(done.stderr or done.stdout).strip()[-300:]}")
+    return done.stdout
+
+
+def abandoned_then_rebuilt(h: Harness, name: str, obs: Observation) -> str:
+    """Saves past step 40, ``ckptpilot recover`` back to the save before the newest, the
+    continuation it starts killed before its next save, then the catalogue deleted and
+    rebuilt (``validate --rebuild``): the restore must take the recovered step (or a newer
+    save of the new continuation), never the abandoned newest step."""
+    trial = h.trial(name, peers=False)
+    first = faulted(trial.run("faulted", fault="kill-between", at_step=SECOND_KILL_STEP))
+    steps = valid_steps(first["saves"], "remote")
+    if len(steps) < 2:
+        raise ScenarioFailed(f"fewer than two saves on the remote tier by step "
+                             f"{SECOND_KILL_STEP}: {steps}")
+    back, abandoned = steps[-2], steps[-1]
+    _cli(trial, "recover", "--step", str(back))
+    again = trial.run("continued", fault="kill-between", at_step=back + 1)
+    rec = restored(trial, again, obs, reached=trial.reached())
+    if rec["step"] != back:
+        raise ScenarioFailed(f"after `recover --step {back}` restored step {rec['step']}")
+    new = [s for s in valid_steps(faulted(again)["saves"], "remote") if s > back]
+    for suffix in ("", "-wal", "-shm"):
+        (trial.run_dir / f"metadata.sqlite{suffix}").unlink(missing_ok=True)
+    _cli(trial, "validate", "--rebuild")
+    rec = resume(trial, obs, expect=max([back, *new]))
+    return passed(rec, f"recover --step {back} abandoned step {abandoned}, metadata.sqlite "
+                       "deleted and rebuilt")

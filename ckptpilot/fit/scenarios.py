@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptpilot.fit.attacks import peer_fault
+from ckptpilot.fit.attacks import abandoned_then_rebuilt, peer_fault
 from ckptpilot.fit.checks import (
     BETWEEN_STEP,
     CLOCK_JUMP_SECONDS,
@@ -401,6 +401,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("metadata-lost", "metadata DB deleted",
              "restores the newest save from its manifest; bit-exact", Needs.SINGLE,
              _metadata_lost),
+    Scenario("abandoned-rebuilt", "catalogue rebuilt after a recover",
+             "restores the newest step of the continuation `recover` started, never a step it "
+             "abandoned, after metadata.sqlite is deleted and `validate --rebuild` runs; "
+             "bit-exact", Needs.SINGLE, abandoned_then_rebuilt),
     Scenario("clock-skew", "wall clock jumps",
              "restarts with the clock a day back and forward again restore the newest save; "
              "bit-exact", Needs.SINGLE, _clock_skew),
