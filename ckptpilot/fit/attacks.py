@@ -1,6 +1,7 @@
 """The ``ckptpilot fit`` scenarios that attack the job from outside its process: peer daemons
 killed or hung (SIGSTOP) under one or two ranks; an operator's catalogue rebuilt after a
-restore abandoned newer steps.
+restore abandoned newer steps; a metadata row pointing outside the checkpoints and a step
+directory replaced by a symlink, both met by ``ckptpilot prune`` and the restore.
 
 Each is a ``checks.Check`` built here and registered in ``scenarios.SCENARIOS``; the
 vocabulary (outcomes, reading the children) is ``checks``'.
@@ -8,8 +9,13 @@ vocabulary (outcomes, reading the children) is ``checks``'.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from ckptpilot.fit.checks import (
@@ -18,7 +24,9 @@ from ckptpilot.fit.checks import (
     Check,
     Observation,
     ScenarioFailed,
+    ScenarioSkipped,
     faulted,
+    killed_between,
     newest_save,
     passed,
     refusal,
@@ -27,7 +35,8 @@ from ckptpilot.fit.checks import (
     valid_steps,
 )
 from ckptpilot.fit.harness import Harness, Trial
-from ckptpilot.storage.archive import list_archives
+from ckptpilot.rundir import metadata_path
+from ckptpilot.storage.archive import checkpoint_name, list_archives
 from ckptpilot.tiers.remote import RemoteTier
 
 
@@ -91,11 +100,16 @@ def common_remote(trial: Trial) -> int | None:
 
 
 
-def _cli(trial: Trial, *args: str) -> str:
-    """Run one ``ckptpilot`` command on the trial's run, as an operator would."""
-    done = subprocess.run([sys.executable, "-m", "ckptpilot", *args, "--config",
+def _run_cli(trial: Trial, *args: str) -> subprocess.CompletedProcess[str]:
+    """One ``ckptpilot`` command on the trial's run, as an operator would run it."""
+    return subprocess.run([sys.executable, "-m", "ckptpilot", *args, "--config",
                            str(trial.policy_path)], capture_output=True, text=True,
                           timeout=300, stdin=subprocess.DEVNULL)
+
+
+def _cli(trial: Trial, *args: str) -> str:
+    """``_run_cli`` that must succeed; its output."""
+    done = _run_cli(trial, *args)
     if done.returncode != 0:
         raise ScenarioFailed(f"`ckptpilot {' '.join(args)}` exited {done.returncode}: "
                              f"{(done.stderr or done.stdout).strip()[-300:]}")
@@ -126,3 +140,71 @@ def abandoned_then_rebuilt(h: Harness, name: str, obs: Observation) -> str:
     rec = resume(trial, obs, expect=max([back, *new]))
     return passed(rec, f"recover --step {back} abandoned step {abandoned}, metadata.sqlite "
                        "deleted and rebuilt")
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (links not followed) with its SHA256: what must survive."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            found[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def tampered_location(h: Harness, name: str, obs: Observation) -> str:
+    """The oldest remote row rewritten to point at ``<checkpoints>/..`` (the run directory)
+    and made valid again: ``ckptpilot prune`` must refuse that row, naming it, and delete
+    nothing of the run; the restore then takes the newest save."""
+    trial, fault = killed_between(h, name)
+    if trial.remote().fs.protocol not in ("file", ("file", "local")):
+        raise ScenarioSkipped("the remote tier is not a local directory")
+    checkpoints = Path(trial.remote().root)
+    with sqlite3.connect(metadata_path(trial.run_dir)) as db:
+        row = db.execute("SELECT id, step FROM checkpoints WHERE tier = 'remote' "
+                         "ORDER BY step LIMIT 1").fetchone()
+        if row is None:
+            raise ScenarioFailed("no remote row to tamper with")
+        db.execute("UPDATE checkpoints SET location = ?, status = 'valid', removed_at = NULL "
+                   "WHERE id = ?",
+                   (f"{checkpoints}/..", row[0]))
+    kept = {p: d for p, d in _tree(trial.run_dir).items() if not p.startswith("metadata.")}
+    pruned = _run_cli(trial, "prune")
+    said = pruned.stdout + pruned.stderr
+    if pruned.returncode == 0 or f"step {row[1]}" not in said:
+        raise ScenarioFailed(f"`ckptpilot prune` exited {pruned.returncode} without naming "
+                             f"the tampered row of step {row[1]}: {said.strip()[-300:]}")
+    after = _tree(trial.run_dir)
+    lost = sorted(p for p in kept if after.get(p) != kept[p])
+    if lost or not metadata_path(trial.run_dir).exists():
+        raise ScenarioFailed(f"prune of a row pointing at {checkpoints}/.. changed or deleted "
+                             f"{lost[:5] or 'metadata.sqlite'}")
+    rec = resume(trial, obs, expect=newest_save(fault["saves"]) or 0)
+    return passed(rec, f"step {row[1]}'s row pointed at {checkpoints}/..; prune refused it "
+                       "and deleted nothing")
+
+
+def symlinked_step(h: Harness, name: str, obs: Observation) -> str:
+    """The newest step directory moved out of the checkpoints and a symlink left under its
+    name: the restore must not follow it (the save before it restores), and ``prune`` may
+    remove the link but never what it points at."""
+    trial, fault = killed_between(h, name)
+    remote = trial.remote()
+    if remote.fs.protocol not in ("file", ("file", "local")):
+        raise ScenarioSkipped("the remote tier is not a local directory")
+    steps = valid_steps(fault["saves"], "remote")
+    if len(steps) < 2:
+        raise ScenarioSkipped(f"fewer than two checkpoints on the remote tier by step "
+                              f"{BETWEEN_STEP}")
+    link = Path(remote.path(checkpoint_name(steps[-1], 0)))
+    target = trial.dir / "elsewhere" / link.name
+    target.parent.mkdir(exist_ok=True)
+    shutil.move(link, target)
+    os.symlink(target, link, target_is_directory=True)
+    kept = _tree(target)
+    peer = newest_save(fault["saves"], "peer")
+    rec = resume(trial, obs, expect=max(steps[-2], peer or 0))
+    _run_cli(trial, "prune")
+    if _tree(target) != kept:
+        raise ScenarioFailed(f"{target}, which the symlink {link} pointed at, was changed")
+    return passed(rec, f"step {steps[-1]} replaced by a symlink to {target}; not followed, "
+                       "its target untouched")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ckptpilot.fit.harness import ChildRun, Harness, Trial
+from ckptpilot.fit.harness import ChildRun, Harness, HarnessError, Trial
 from ckptpilot.fit.job import EXIT_ERROR
 
 FAULT_STEP = 25  # in-save faults hit the first save of this step or later
@@ -167,3 +167,23 @@ def refusal(run: ChildRun, error: str | None) -> str:
         raise ScenarioFailed(f"refused with {refused['error']}, expected {error}: "
                              f"{refused['message']}")
     raise ScenarioFailed(f"expected a clear refusal, but {run.describe()}")
+
+
+def killed_between(h: Harness, name: str) -> tuple[Trial, dict[str, Any]]:
+    """A trial whose job was killed after ``BETWEEN_STEP`` with nothing in flight; without
+    peers it is a copy of one such run shared by the scenarios that damage its state."""
+    def make(trial: Trial) -> None:
+        run = trial.run("faulted", fault="kill-between", at_step=BETWEEN_STEP)
+        if run.event("fault") is None or not run.killed:
+            raise HarnessError(f"the job to be killed after step {BETWEEN_STEP} failed: "
+                               f"{run.describe()}")
+
+    if h.policy_has_peers:
+        trial = h.trial(name, peers=True)
+        make(trial)
+    else:
+        trial = h.shared("killed-between", make)
+    fault = trial.runs[0].event("fault")
+    if fault is None:
+        raise HarnessError(f"{trial.runs[0].out}: the killed job's fault event is missing")
+    return trial, fault

@@ -21,9 +21,13 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
-from typing import Any
 
-from ckptpilot.fit.attacks import abandoned_then_rebuilt, peer_fault
+from ckptpilot.fit.attacks import (
+    abandoned_then_rebuilt,
+    peer_fault,
+    symlinked_step,
+    tampered_location,
+)
 from ckptpilot.fit.checks import (
     BETWEEN_STEP,
     CLOCK_JUMP_SECONDS,
@@ -40,6 +44,7 @@ from ckptpilot.fit.checks import (
     bit_exact,
     faulted,
     finished,
+    killed_between,
     newest_save,
     passed,
     refusal,
@@ -48,7 +53,7 @@ from ckptpilot.fit.checks import (
     skipped_note,
     valid_steps,
 )
-from ckptpilot.fit.harness import Harness, HarnessError, Trial
+from ckptpilot.fit.harness import Harness, Trial
 from ckptpilot.fit.job import EXIT_ERROR
 from ckptpilot.rundir import metadata_path
 from ckptpilot.storage.archive import (
@@ -82,29 +87,9 @@ def _kill_in_save(phase: str) -> Check:
 
 
 def _kill_between(h: Harness, name: str, obs: Observation) -> str:
-    trial, fault = _killed_between(h, name)
+    trial, fault = killed_between(h, name)
     rec = resume(trial, obs, expect=newest_save(fault["saves"]) or 0)
     return passed(rec, f"killed after step {BETWEEN_STEP}")
-
-
-def _killed_between(h: Harness, name: str) -> tuple[Trial, dict[str, Any]]:
-    """A trial whose job was killed after ``BETWEEN_STEP`` with nothing in flight; without
-    peers it is a copy of one such run shared by the scenarios that damage its state."""
-    def make(trial: Trial) -> None:
-        run = trial.run("faulted", fault="kill-between", at_step=BETWEEN_STEP)
-        if run.event("fault") is None or not run.killed:
-            raise HarnessError(f"the job to be killed after step {BETWEEN_STEP} failed: "
-                               f"{run.describe()}")
-
-    if h.policy_has_peers:
-        trial = h.trial(name, peers=True)
-        make(trial)
-    else:
-        trial = h.shared("killed-between", make)
-    fault = trial.runs[0].event("fault")
-    if fault is None:
-        raise HarnessError(f"{trial.runs[0].out}: the killed job's fault event is missing")
-    return trial, fault
 
 
 # -- damaged storage -----------------------------------------------------------------------
@@ -144,7 +129,7 @@ def _flip(trial: Trial, step: int) -> str:
 
 def _damaged_newest(damage: Callable[[Trial, int], str]) -> Check:
     def check(h: Harness, name: str, obs: Observation) -> str:
-        trial, fault = _killed_between(h, name)
+        trial, fault = killed_between(h, name)
         remote = valid_steps(fault["saves"], "remote")
         if not remote:
             raise ScenarioSkipped(f"no checkpoint reached the remote tier by step "
@@ -166,7 +151,7 @@ def _damaged_newest(damage: Callable[[Trial, int], str]) -> Check:
 
 def _stale_copy(h: Harness, name: str, obs: Observation) -> str:
     """An older complete checkpoint directory copied over the newest one's name."""
-    trial, fault = _killed_between(h, name)
+    trial, fault = killed_between(h, name)
     remote = valid_steps(fault["saves"], "remote")
     if len(remote) < 2:
         raise ScenarioSkipped(f"fewer than two checkpoints on the remote tier by step "
@@ -183,7 +168,7 @@ def _stale_copy(h: Harness, name: str, obs: Observation) -> str:
 
 
 def _every_copy_damaged(h: Harness, name: str, obs: Observation) -> str:
-    trial, fault = _killed_between(h, name)
+    trial, fault = killed_between(h, name)
     remote = valid_steps(fault["saves"], "remote")
     if not remote:
         raise ScenarioSkipped(f"no checkpoint reached the remote tier by step {BETWEEN_STEP}")
@@ -224,7 +209,7 @@ def _enospc(h: Harness, name: str, obs: Observation) -> str:
 
 
 def _remote_unreachable(h: Harness, name: str, obs: Observation) -> str:
-    trial, fault = _killed_between(h, name)
+    trial, fault = killed_between(h, name)
     done = newest_save(fault["saves"]) or 0
     down = trial.run("remote-down", fault="remote-down", exit_after_restore=True)
     if newest_save(fault["saves"], "peer") == done and done > 0:
@@ -267,7 +252,7 @@ def _metadata_locked(h: Harness, name: str, obs: Observation) -> str:
 
 
 def _metadata_lost(h: Harness, name: str, obs: Observation) -> str:
-    trial, fault = _killed_between(h, name)
+    trial, fault = killed_between(h, name)
     removed = 0
     for suffix in ("", "-wal", "-shm"):
         path = trial.run_dir / f"metadata.sqlite{suffix}"
@@ -283,7 +268,7 @@ def _metadata_lost(h: Harness, name: str, obs: Observation) -> str:
 def _clock_skew(h: Harness, name: str, obs: Observation) -> str:
     """The wall clock jumps back a day (the first run's heartbeats and ledger records now lie
     in the future), then forward again."""
-    trial, fault = _killed_between(h, name)
+    trial, fault = killed_between(h, name)
     reached = trial.reached()
     second = trial.run("clock-back", fault="kill-between", at_step=SECOND_KILL_STEP,
                        clock_offset_seconds=CLOCK_JUMP_SECONDS)
@@ -401,6 +386,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("metadata-lost", "metadata DB deleted",
              "restores the newest save from its manifest; bit-exact", Needs.SINGLE,
              _metadata_lost),
+    Scenario("tampered-location", "a row pointing at the run dir",
+             "prune refuses the row naming it and deletes nothing; restores the newest; "
+             "bit-exact", Needs.SINGLE, tampered_location),
+    Scenario("symlinked-step", "newest step replaced by a symlink",
+             "the link is not followed (the save before it restores) and its target is never "
+             "deleted; bit-exact", Needs.SINGLE, symlinked_step),
     Scenario("abandoned-rebuilt", "catalogue rebuilt after a recover",
              "restores the newest step of the continuation `recover` started, never a step it "
              "abandoned, after metadata.sqlite is deleted and `validate --rebuild` runs; "
