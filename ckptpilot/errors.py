@@ -58,3 +58,9 @@ class RollbackLimitError(CkptPilotError, RuntimeError):
 
 class RunDirBusyError(CkptPilotError, RuntimeError):
     """Another live pilot holds this rank's lease on the run directory."""
+
+
+class RemovalRefusedError(CkptPilotError, PermissionError):
+    """A deletion was refused before anything was touched: its target is not a checkpoint of
+    the tier (``tiers.entries`` has the rule). An ``OSError``, so that a caller that goes on
+    past a failed removal (a prune, the debris of a killed writer) goes on past this one."""
