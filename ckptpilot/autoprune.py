@@ -6,7 +6,9 @@ each save it published valid, and :meth:`AutoPruner.make_room` before it writes 
 remote tier; never the training thread. Both go through the pure planners of ``retention``
 (``plan_retention``, ``plan_room``) and its crash-safe executor, exactly like
 ``ckptpilot prune``: a prune killed half-way leaves ``expired`` rows whose files the next
-prune removes (``repair``), never a ``valid`` row without its files.
+prune removes (``repair``), never a ``valid`` row without its files. What a row's location
+names is deleted only when the tier finds it is that row's checkpoint
+(``tiers.entries``); a refused row is logged with the reason and left as it was.
 
 One rank decides for the shared storage: rank 0 has a pruner, the others none. It plans over
 every rank's rows, and the planner keeps the newest step that every rank holds, so what it
@@ -22,22 +24,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
-from ckptpilot.errors import CkptPilotError
+from ckptpilot.errors import CkptPilotError, RemovalRefusedError
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import (
     BestPolicy,
     PruneReport,
+    RetentionPlan,
     execute_plan,
     plan_retention,
     plan_room,
     repair,
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
+from ckptpilot.tiers.entries import location_entry, sweep
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
-__all__ = ["AutoPruner", "DiskBudgetError", "remote_remover"]
+__all__ = ["AutoPruner", "DiskBudgetError", "Remover", "remote_remover", "sweep_removals"]
 
 log = logging.getLogger("ckptpilot")
 
@@ -49,24 +54,50 @@ class DiskBudgetError(CkptPilotError):
     """A save does not fit the disk budget even after pruning everything retention allows."""
 
 
-def remote_remover(remote: RemoteTier) -> tuple[Callable[[CheckpointRow], bool],
-                                                Callable[[CheckpointRow], None]]:
-    """``exists`` and ``remove`` for the retention executors. Files exist only for rows of
-    the remote tier; a peer's or the memory tier's copy of an expired row is the holder's to
-    drop (peers drop superseded states on commit and expire a run's shards with its lease),
-    so removing such a row only marks it."""
+class Remover(NamedTuple):
+    """The callbacks of the retention executors (``retention.execute_plan``, ``repair``)."""
 
-    def entry(row: CheckpointRow) -> str:
-        return row.location.rstrip("/").rsplit("/", 1)[-1]
+    exists: Callable[[CheckpointRow], bool]
+    remove: Callable[[CheckpointRow], None]
+    vet: Callable[[CheckpointRow], str | None]
+
+
+def remote_remover(remote: RemoteTier) -> Remover:
+    """The retention executors' view of the remote tier. Files exist only for rows of the
+    remote tier; a peer's or the memory tier's copy of an expired row is the holder's to
+    drop (peers drop superseded states on commit and expire a run's shards with its lease),
+    so removing such a row only marks it. A remote row's files are removed through
+    ``RemoteTier.remove`` with the row's step and rank, so only that checkpoint can go."""
 
     def exists(row: CheckpointRow) -> bool:
-        return row.tier is Tier.REMOTE and remote.exists(entry(row))
+        return row.tier is Tier.REMOTE and remote.exists(location_entry(row.location))
 
     def remove(row: CheckpointRow) -> None:
-        if row.tier is Tier.REMOTE and remote.exists(entry(row)):
-            remote.remove(entry(row))
+        if row.tier is Tier.REMOTE:
+            remote.remove(location_entry(row.location), step=row.step, rank=row.rank)
 
-    return exists, remove
+    def vet(row: CheckpointRow) -> str | None:
+        if row.tier is not Tier.REMOTE:
+            return None
+        try:
+            remote.vet_removal(location_entry(row.location), step=row.step, rank=row.rank)
+        except RemovalRefusedError as e:
+            return str(e)
+        except OSError:
+            return None  # gone (removed), or unreadable: the removal itself reports it
+        return None
+
+    return Remover(exists, remove, vet)
+
+
+def sweep_removals(remote: RemoteTier) -> tuple[list[str], list[str]]:
+    """Remove what removals cut short left on the remote tier (``*.removing-*``): returns
+    (names removed, one line per failure)."""
+    try:
+        names = remote.list()
+    except OSError as e:
+        return [], [f"cannot list {remote.url}: {e}"]
+    return sweep(remote, names)
 
 
 def _occupies(row: CheckpointRow) -> bool:
@@ -88,7 +119,7 @@ class AutoPruner:
         self._world_size = world_size
         best = policy.best
         self._best = None if best is None else BestPolicy(best.metric, best.mode, best.keep)
-        self._exists, self._remove = remote_remover(remote)
+        self._remover = remote_remover(remote)
 
     @property
     def auto(self) -> bool:
@@ -102,11 +133,18 @@ class AutoPruner:
         """Apply the retention policy now (after a save was published valid)."""
         self._repair()
         plan = plan_retention(self._store.rows(self._run_id), self._policy, best=self._best)
-        report = execute_plan(plan, self._store, self._remove)  # type: ignore[arg-type]
+        report = self._execute(plan)
         if report.removed or report.failed:
             log.info("retention: removed %d checkpoint(s)%s", len(report.removed),
                      f", {len(report.failed)} removal(s) failed (the next prune retries)"
                      if report.failed else "")
+        return report
+
+    def _execute(self, plan: RetentionPlan[CheckpointRow]) -> PruneReport:
+        remover = self._remover
+        report = execute_plan(plan, self._store, remover.remove,  # type: ignore[arg-type]
+                              vet=remover.vet)
+        _log_refusals(report)
         return report
 
     def used_bytes(self) -> int:
@@ -125,7 +163,7 @@ class AutoPruner:
         self._repair()
         plan = plan_room(self._store.rows(self._run_id), self._policy, need,
                          best=self._best)
-        report = execute_plan(plan, self._store, self._remove)  # type: ignore[arg-type]
+        report = self._execute(plan)
         if report.removed:
             log.warning("disk budget: removed %d checkpoint(s) to make room for step %d",
                         len(report.removed), step)
@@ -159,6 +197,20 @@ class AutoPruner:
         return "; ".join(words)
 
     def _repair(self) -> None:
-        fixed = repair(self._store, self._exists, self._remove)  # type: ignore[arg-type]
+        remover = self._remover
+        fixed = repair(self._store, remover.exists, remover.remove,  # type: ignore[arg-type]
+                       vet=remover.vet)  # type: ignore[arg-type]
+        _log_refusals(fixed)
         if fixed.removed:
             log.info("retention: finished %d interrupted removal(s)", len(fixed.removed))
+        swept, failed = sweep_removals(self._remote)
+        if swept:
+            log.info("retention: removed %d leftover(s) of interrupted removals",
+                     len(swept))
+        for line in failed:
+            log.warning("retention: %s", line)
+
+
+def _log_refusals(report: PruneReport) -> None:
+    for row_id, line in report.refused:
+        log.warning("retention: row %d %s", row_id, line)

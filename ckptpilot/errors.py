@@ -69,3 +69,9 @@ class LineageError(CkptPilotError, RuntimeError):
     """A rank's lineage record (``lineage_rank_NNNNN.jsonl``: where each restore cut the run's
     history) is damaged, or a checkpoint names a continuation the record does not know, so
     which saved steps a restore abandoned cannot be told."""
+
+
+class RemovalRefusedError(CkptPilotError, PermissionError):
+    """A deletion was refused before anything was touched: its target is not a checkpoint of
+    the tier (``tiers.entries`` has the rule). An ``OSError``, so that a caller that goes on
+    past a failed removal (a prune, the debris of a killed writer) goes on past this one."""

@@ -34,8 +34,10 @@ Rules, applied per (run, rank, level, tier) group (SPEC §2, §8):
   for a corrupted ``critical`` row too: its class says the state was worth keeping, the
   corruption says this copy cannot provide it.
 
-Removal order, per row (:func:`execute_plan`): the row is marked ``expired`` and committed,
-the file is removed, then the removal is committed with its audit entry. A crash between the
+Removal order, per row (:func:`execute_plan`): the tier checks that the row's location is
+one of its checkpoints (``vet``: a tampered or wrong location is refused and the row left as
+it was), the row is marked ``expired`` and committed, the file is removed, then the removal
+is committed with its audit entry. A crash between the
 steps leaves an ``expired`` row whose removal is unrecorded, never a ``valid`` row without
 its file nor a file without a row; :func:`repair` finishes such rows on the next run.
 """
@@ -168,15 +170,19 @@ class RetentionPlan(Generic[R]):
 
 @dataclass(frozen=True)
 class PruneReport:
-    """What an executor did: row ids removed, skipped (with why) and failed (with the error).
+    """What an executor did: row ids removed, skipped (with why), failed (with the error)
+    and refused (one line naming the row and the reason).
 
     A skipped row changed after planning (pinned, re-validated, replaced) and was left alone;
-    a failed row is ``expired`` with its file still present, for :func:`repair` to finish.
+    a failed row is ``expired`` with its file still present, for :func:`repair` to finish; a
+    refused row's location is not a checkpoint the tier may delete: nothing was deleted and
+    the row is as it was (the next prune refuses it again until someone looks at it).
     """
 
     removed: tuple[int, ...] = ()
     skipped: tuple[tuple[int, str], ...] = ()
     failed: tuple[tuple[int, str], ...] = ()
+    refused: tuple[tuple[int, str], ...] = ()
 
 
 def _text(value: object) -> str:
@@ -383,12 +389,20 @@ def _details(row: RetentionRow, reason: str) -> dict[str, Any]:
     }
 
 
+def _refusal(row: RetentionRow, reason: str) -> str:
+    return (f"refused: run {row.run_id}, step {row.step}, rank {row.rank}, {_text(row.tier)}, "
+            f"location {row.location}: {reason}; nothing was deleted")
+
+
 def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
-                 remove_file: Callable[[R], None]) -> PruneReport:
+                 remove_file: Callable[[R], None], *,
+                 vet: Callable[[R], str | None] | None = None) -> PruneReport:
     """Remove the plan's rows one at a time, in the crash-safe order.
 
-    Per row: mark it ``expired`` (committed, and only if its status, class and location are
-    still what the plan saw), call ``remove_file(row)``, then record the removal with an
+    Per row: ``vet(row)`` (the reason the tier refuses to delete what the row's location
+    names, or None) — a refused row is reported and left as it was; then mark it
+    ``expired`` (committed, and only if its status, class and location are still what the
+    plan saw), call ``remove_file(row)``, then record the removal with an
     audit entry (committed). ``remove_file`` must delete the checkpoint's files in its tier;
     a missing file counts as removed. Any other ``OSError`` leaves the row expired for
     :func:`repair` and the executor goes on with the next row; other exceptions propagate.
@@ -396,7 +410,12 @@ def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
     removed: list[int] = []
     skipped: list[tuple[int, str]] = []
     failed: list[tuple[int, str]] = []
+    refused: list[tuple[int, str]] = []
     for row, reason in plan.remove:
+        refusal = None if vet is None else vet(row)
+        if refusal is not None:
+            refused.append((row.id, _refusal(row, refusal)))
+            continue
         expect = {"status": _text(row.status), "retention_class": _text(row.retention_class),
                   "location": row.location}
         if store.compare_and_mark(row.id, Status.EXPIRED, expect=expect) is None:
@@ -411,21 +430,29 @@ def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
             continue
         store.finish_removal(row.id, action="prune", details=_details(row, reason))
         removed.append(row.id)
-    return PruneReport(removed=tuple(removed), skipped=tuple(skipped), failed=tuple(failed))
+    return PruneReport(removed=tuple(removed), skipped=tuple(skipped), failed=tuple(failed),
+                       refused=tuple(refused))
 
 
 def repair(store: RetentionStore, exists: Callable[[StoredRow], bool],
-           remove_file: Callable[[StoredRow], None]) -> PruneReport:
+           remove_file: Callable[[StoredRow], None], *,
+           vet: Callable[[StoredRow], str | None] | None = None) -> PruneReport:
     """Finish the removals a crash or an I/O error interrupted; run before planning.
 
     Every ``expired`` row whose removal is not recorded has its file removed when
     ``exists(row)`` says it is still there, then the removal is recorded (action
-    ``repair``). Idempotent: a second run finds nothing to do.
+    ``repair``); a row ``vet`` refuses (as in :func:`execute_plan`) is reported and left
+    unrecorded. Idempotent: a second run finds nothing more to do.
     """
     removed: list[int] = []
     failed: list[tuple[int, str]] = []
+    refused: list[tuple[int, str]] = []
     for row in store.rows(status=Status.EXPIRED):
         if row.removed_at is not None:
+            continue
+        refusal = None if vet is None else vet(row)
+        if refusal is not None:
+            refused.append((row.id, _refusal(row, refusal)))
             continue
         try:
             present = exists(row)
@@ -440,4 +467,4 @@ def repair(store: RetentionStore, exists: Callable[[StoredRow], bool],
         details["file_was_present"] = present
         store.finish_removal(row.id, action="repair", details=details)
         removed.append(row.id)
-    return PruneReport(removed=tuple(removed), failed=tuple(failed))
+    return PruneReport(removed=tuple(removed), failed=tuple(failed), refused=tuple(refused))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ckptpilot.autoprune import remote_remover
+from ckptpilot.autoprune import remote_remover, sweep_removals
 from ckptpilot.catalog import write_pin
 from ckptpilot.dcp.format import parse_dcp_name
 from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
@@ -36,7 +36,8 @@ from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, veri
 from ckptpilot.storage.damaged import set_aside
 from ckptpilot.storage.lineage import Lineage, UnknownContinuationError, fork, read_lineage
 from ckptpilot.storage.metadata import CheckpointRow, MetadataCorruptError, MetadataStore
-from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
+from ckptpilot.tiers.entries import is_debris
+from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import CheckpointKey, Status, Tier
 
@@ -117,8 +118,9 @@ class Run:
 
     def unfinished(self) -> list[str]:
         """Saves a killed writer left: staging directories, and on an object store the
-        checkpoint directories (archives, DCP) whose manifest was never written."""
-        return [name for name in self.remote.list() if STAGING_MARK in name or (
+        checkpoint directories (archives, DCP) whose manifest was never written; and what a
+        removal cut short left (``*.removing-*``)."""
+        return [name for name in self.remote.list() if is_debris(name) or (
             (parse_checkpoint_name(name) is not None or parse_dcp_name(name) is not None)
             and not self.remote.committed(name))]
 
@@ -294,15 +296,27 @@ def _dcp_plan(store: MetadataStore, run: Run, step: int, name: str,
 
 
 def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
+    """Apply the retention classes. A row whose location is not a checkpoint the tier may
+    delete (``tiers.entries``) is refused: one line names it and why, nothing of it is
+    deleted, the prune goes on with the other rows and exits 1."""
     run = Run(policy)
     best = policy.retention.best
     best_policy = None if best is None else BestPolicy(best.metric, best.mode, best.keep)
+    refused: list[tuple[int, str]] = []
+    sweep_failed: list[str] = []
     with run.store(read_only=dry_run) as store:
-        exists, remove = remote_remover(run.remote)
+        remover = remote_remover(run.remote)
         if not dry_run:
-            fixed = repair(store, exists, remove)  # type: ignore[arg-type]
+            fixed = repair(store, remover.exists, remover.remove,  # type: ignore[arg-type]
+                           vet=remover.vet)  # type: ignore[arg-type]
+            refused += fixed.refused
             if fixed.removed:
                 print(f"repaired {len(fixed.removed)} interrupted removal(s)", file=out)
+            swept, sweep_failed = sweep_removals(run.remote)
+            if swept:
+                print(f"removed {len(swept)} leftover(s) of interrupted removals", file=out)
+            for line in sweep_failed:
+                print(f"  {line}", file=out)
         plan = plan_retention(store.rows(run.run_id), policy.retention, best=best_policy)
         table = [(r.step, r.rank, r.level.value, r.tier.value, r.status.value,
                   r.retention_class.value, _size(r.bytes_encoded), action, why)
@@ -311,17 +325,22 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
         table.sort(key=lambda t: (t[1], t[0]))
         _table(table, ("step", "rank", "level", "tier", "status", "class", "size", "action",
                        "reason"), out)
-        freed = sum(r.bytes_encoded or 0 for r, _ in plan.remove)
         if dry_run:
+            freed = sum(r.bytes_encoded or 0 for r, _ in plan.remove)
             print(f"dry run: would remove {len(plan.remove)} checkpoint(s), "
                   f"{_size(freed)}; nothing changed", file=out)
             return 0
-        report = execute_plan(plan, store, remove)  # type: ignore[arg-type]
+        report = execute_plan(plan, store, remover.remove,  # type: ignore[arg-type]
+                              vet=remover.vet)  # type: ignore[arg-type]
+        refused += report.refused
+    gone = set(report.removed)
+    freed = sum(r.bytes_encoded or 0 for r, _ in plan.remove if r.id in gone)
     print(f"removed {len(report.removed)} checkpoint(s), {_size(freed)}; skipped "
-          f"{len(report.skipped)}, failed {len(report.failed)}", file=out)
-    for row_id, why in (*report.skipped, *report.failed):
+          f"{len(report.skipped)}, failed {len(report.failed)}, refused {len(refused)}",
+          file=out)
+    for row_id, why in (*report.skipped, *report.failed, *refused):
         print(f"  row {row_id}: {why}", file=out)
-    return 1 if report.failed else 0
+    return 1 if report.failed or refused or sweep_failed else 0
 
 
 def _set_aside(db_path: Path, label: str) -> Path:

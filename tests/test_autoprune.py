@@ -119,7 +119,7 @@ CHILD = textwrap.dedent("""\
     from ckptpilot.tiers import remote as remote_module
 
     real = remote_module.RemoteTier.remove
-    def killed_mid_prune(self, relpath):
+    def killed_mid_prune(self, name, **checkpoint):
         # The row is already expired (committed); the files are not removed yet.
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -31,6 +31,7 @@ from ckptpilot.dcp.format import (
 from ckptpilot.errors import CheckpointFormatError, IntegrityError, PolicyError
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
+from ckptpilot.tiers.entries import refuse_links
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
@@ -92,7 +93,9 @@ def is_dcp_entry(name: str) -> bool:
 
 def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
     """The checkpoint's commit file, checked (format, digest, and that it is the checkpoint
-    its directory's name says: a copy of step 18 under step 24's name is refused)."""
+    its directory's name says: a copy of step 18 under step 24's name is refused; so is a
+    directory that is a link or holds one)."""
+    refuse_links(tier, name)
     where = tier.path(name, MANIFEST_FILE)
     if not tier.exists(f"{name}/{MANIFEST_FILE}"):
         raise CheckpointFormatError(f"{where}: missing (the save did not finish)")

@@ -48,6 +48,7 @@ from ckptpilot.format.manifest import (
     encode_manifest,
 )
 from ckptpilot.state import Snapshot
+from ckptpilot.tiers.entries import REMOVING_MARK, refuse_links
 from ckptpilot.tiers.remote import COMMIT_FILE, STAGING_MARK, RemoteTier
 
 TENSORS_FILE = "tensors.safetensors"
@@ -281,7 +282,9 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
 
 
 def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
-    """The archive's manifest, checked for format, version and its own digest."""
+    """The archive's manifest, checked for format, version and its own digest; an archive
+    that is a link or holds one is refused (``tiers.entries.refuse_links``)."""
+    refuse_links(tier, name)
     where = tier.path(name, MANIFEST_FILE)
     if not tier.exists(f"{name}/{MANIFEST_FILE}"):
         raise CheckpointFormatError(f"{where}: missing (the writer did not finish)")
@@ -402,11 +405,12 @@ class ArchiveListing:
 
 
 def list_archives(tier: RemoteTier, rank: int) -> ArchiveListing:
+    """``staging`` also lists what a removal cut short left (``*.removing-*``): debris too."""
     published: list[tuple[int, str]] = []
     staging: list[str] = []
     for entry in tier.list():
-        if STAGING_MARK in entry:
-            parsed = parse_checkpoint_name(entry.split(STAGING_MARK, 1)[0])
+        if STAGING_MARK in entry or REMOVING_MARK in entry:
+            parsed = parse_checkpoint_name(entry.split(".", 1)[0])
             if parsed is not None and parsed[1] == rank:
                 staging.append(entry)
             continue

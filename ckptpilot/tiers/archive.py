@@ -76,7 +76,7 @@ class RemoteCheckpointTier:
     def discard(self, step: int) -> None:
         name = checkpoint_name(step, self.rank)
         if self.remote.exists(name):
-            self.remote.remove(name)
+            self.remote.remove(name, step=step, rank=self.rank)
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes its own files."""

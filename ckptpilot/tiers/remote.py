@@ -13,6 +13,10 @@ name: the commit file (``manifest.json``), which the archive writes last.
   staging debris, never as a checkpoint. Setting a checkpoint aside (superseded, corrupted)
   copies it file by file and then deletes it, commit file first.
 
+Nothing is deleted but through :meth:`RemoteTier.remove`, and it deletes only a checkpoint
+(its name, its manifest), in an order that never leaves a published checkpoint with files
+missing: ``tiers.entries`` has the rule and the order.
+
 ``storage_options`` go to fsspec as they are (endpoint, credentials, region); they are never
 logged — only the URL is.
 
@@ -46,11 +50,11 @@ from ckptpilot.format.digest import (
     hash_pool,
     is_chunked,
 )
+from ckptpilot.tiers import entries
+from ckptpilot.tiers.entries import COMMIT_FILE, STAGING_MARK
 
 log = logging.getLogger(__name__)
 
-STAGING_MARK = ".staging-"
-COMMIT_FILE = "manifest.json"
 _READ_CHUNK = 16 << 20
 _NOT_DURABLE = frozenset({"memory"})
 
@@ -154,7 +158,10 @@ class RemoteTier:
     def set_aside(self, name: str, why: str, *, label: str | None = None) -> str:
         """Rename ``name`` to ``{label or name}.{why}-{random}``, a name no listing takes for
         a checkpoint (nor for staging debris); returns the new name. Keeps evidence instead
-        of deleting it."""
+        of deleting it. ``why`` is one of ``tiers.entries.SET_ASIDE_WHY``: a name whose reason
+        the removal rule does not know could never be pruned."""
+        if not entries.SET_ASIDE_WHY.match(why):
+            raise ValueError(f"set_aside: {why!r} is not a reason tiers.entries knows")
         aside = f"{label or name}.{why}-{uuid.uuid4().hex[:8]}"
         self._rename(self.path(name), self.path(aside))
         return aside
@@ -302,15 +309,20 @@ class RemoteTier:
         """Copy a stored file to the local path ``local``, streamed."""
         self.fs.get_file(self.path(relpath), local)
 
-    def remove(self, relpath: str) -> None:
-        """Remove a file or a directory tree; a checkpoint's commit file goes first, so a
-        removal cut short leaves an unfinished save, never a checkpoint with files missing."""
-        commit = f"{relpath}/{COMMIT_FILE}"
-        if not self.is_local and self.exists(commit):
-            self.fs.rm(self.path(commit))
-            if not self.exists(relpath):  # the commit file was its only file
-                return
-        self.fs.rm(self.path(relpath), recursive=True)
+    def remove(self, name: str, *, step: int | None = None, rank: int | None = None) -> None:
+        """Remove the checkpoint entry ``name`` (a published checkpoint, a staging or
+        set-aside directory) — only when ``tiers.entries`` finds it is one, else
+        ``RemovalRefusedError`` and nothing is touched. ``step`` and ``rank``: the checkpoint
+        the caller means to remove (a metadata row's), checked against the name and the
+        manifest. Locally the directory leaves its name by a rename before its files go; on
+        an object store the commit file goes first. ``FileNotFoundError`` when it is not
+        there."""
+        entries.remove_entry(self, name, step=step, rank=rank)
+
+    def vet_removal(self, name: str, *, step: int | None = None,
+                    rank: int | None = None) -> None:
+        """Raise what :meth:`remove` would refuse with, touching nothing."""
+        entries.vet(self, name, step=step, rank=rank)
 
 
 class HashingWriter:
