@@ -261,7 +261,7 @@ def _check_shard_header(op: Op, h: dict[str, Any], payload_len: int) -> None:
     if op is Op.PUT and payload_len != h["meta_len"] + h["shard_size"] + TRAILER_BYTES:
         raise ProtocolError(f"PUT payload is {payload_len} bytes, header says meta_len "
                             f"{h['meta_len']} + shard_size {h['shard_size']} + a "
-                            f"{TRAILER_BYTES}-byte digest")
+                            f"{TRAILER_BYTES}-byte digest + tag trailer")
     if op is Op.DELTA and payload_len <= h["meta_len"]:
         raise ProtocolError(f"DELTA payload of {payload_len} bytes holds no delta after "
                             f"meta_len {h['meta_len']}")
