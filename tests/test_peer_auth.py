@@ -26,6 +26,7 @@ from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.peer.auth import NO_TAG, PeerAuthError, hello_tag, load_secret
 from ckptpilot.tiers.peer.calls import connect
 from ckptpilot.tiers.peer.client import PeerCheckpointTier
+from ckptpilot.tiers.peer.errors import PeerUnavailable
 from ckptpilot.tiers.peer.protocol import Op, encode_head, read_frame, send_frame
 from ckptpilot.vocab import Level
 
@@ -148,9 +149,12 @@ def test_forged_peer_shards_with_recomputed_digests_are_skipped_and_restore_walk
     endpoints = [d.endpoint for d in cluster]
 
     # Without the secret, a client gets nowhere: no daemon greets it as one of the job's.
-    with pytest.raises(PeerAuthError, match="the daemon's greeting fails its HMAC check"):
-        PeerTier(endpoints, run_id=run_id, secret=WRONG_KEY, data_shards=2,
-                 timeout_seconds=5).fetch(30)
+    outsider = PeerTier(endpoints, run_id=run_id, secret=WRONG_KEY, data_shards=2,
+                        timeout_seconds=5)
+    with contextlib.closing(outsider), pytest.raises(
+            PeerUnavailable, match=r"held by no reachable peer .unreachable: "
+            r"127.0.0.1:.*the daemon's greeting fails its HMAC check"):
+        outsider.fetch(30)
 
     # With the secret (leaked, or a compromised peer), the attacker puts other bytes for
     # step 30, every stripe digest computed for the forged bytes.

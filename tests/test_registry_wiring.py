@@ -214,9 +214,9 @@ def test_cli_rejects_bad_input_in_one_line(cluster: tuple[Registry, list[Daemon]
     root = logging.getLogger()
     level = root.level
     try:
-        for argv, message in returns:
-            if argv[1] == "serve":  # past the secret, to the registry's checks
-                argv = [*argv, "--secret-file", str(SECRET_FILE)]
+        for args, message in returns:
+            # serve: past the secret, to the registry's checks
+            argv = [*args, "--secret-file", str(SECRET_FILE)] if args[1] == "serve" else args
             assert main(argv) == 2, argv
             err = capsys.readouterr().err
             assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
