@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also show every duration in GPU-hours for N GPUs")
     rep.add_argument("--no-tensorboard", action="store_true",
                      help="do not write the goodput/* scalars to the run's TensorBoard")
-    from ckptpilot.tiers.peer.daemon import add_peer_parser
+    from ckptpilot.tiers.peer.command import add_peer_parser
 
     add_peer_parser(sub)
     fit = sub.add_parser("fit", help="fault-injection suite: kill, corrupt and restore a small "
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "peer":
-            from ckptpilot.tiers.peer.daemon import run_peer_command
+            from ckptpilot.tiers.peer.command import run_peer_command
 
             return run_peer_command(args)
         if args.command == "demo":

@@ -604,6 +604,10 @@ class PeerTierPolicy(_Section):
     probe_interval: float = Field(1.0, ge=0.01, le=_MAX_SECONDS)
     registry: _Endpoint | None = None
     deltas: Literal["auto", "always", "never"] = "auto"
+    # The job's peer secret (``tiers/peer/auth.py``), created 0600 when missing; every
+    # trainer and daemon of the job needs the same. CKPTPILOT_PEER_SECRET overrides it.
+    secret_file: Annotated[str, AfterValidator(_check_path_text)] = Field(
+        "{run_dir}/peer.secret", min_length=1, max_length=_MAX_PATH_CHARS)
 
     @model_validator(mode="after")
     def _check_peers(self) -> Self:

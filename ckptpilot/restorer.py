@@ -46,7 +46,7 @@ from ckptpilot.storage.archive import (
     read_organ,
 )
 from ckptpilot.storage.lineage import Lineage
-from ckptpilot.tiers.base import CheckpointTier
+from ckptpilot.tiers.base import CheckpointImage
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier
 from ckptpilot.tiers.remote import RemoteTier
@@ -224,12 +224,12 @@ class Restorer:
         if forced:
             candidates = [Candidate(c.step, c.level, c.tier, c.name, None) for c in candidates]
         plan = plan_recovery(candidates, max_walk=MAX_RECOVERY_WALK, step=step)
-        options = self._options(plan, step, forced, digests, before)
+        options, unproven = self._options(plan, step, forced, digests, before)
         return _Plan(
             step=step, pin=pin, options=options,
             steps=sorted(options, reverse=True), missing=missing,
             skipped=[SkippedCheckpoint(self._remote.path(c.name), why)
-                     for c, why in plan.excluded])
+                     for c, why in plan.excluded] + unproven)
 
     def _nothing_loads(self, step: int | None, skipped: list[SkippedCheckpoint]) -> str:
         what = f"step {step}" if step is not None else "any step"
@@ -243,8 +243,10 @@ class Restorer:
                 f"{first.reason}")
 
     def _options(self, plan: RecoveryPlan, step: int | None, forced: bool,
-                 digests: Mapping[int, str], before: int | None) -> dict[int, list[_Option]]:
-        """For each step this rank could restore, its sources, fastest first."""
+                 digests: Mapping[int, str], before: int | None
+                 ) -> tuple[dict[int, list[_Option]], list[SkippedCheckpoint]]:
+        """For each step this rank could restore, its sources, fastest first; and the peer
+        copies left out because no row can prove them."""
         options: dict[int, list[_Option]] = {}
         below = math.inf if before is None else before
         memory = self._memory
@@ -253,15 +255,19 @@ class Restorer:
             assert memory is not None
             options.setdefault(target, []).append(_Option(
                 f"memory:step {target}",
-                partial(_read, memory, target, RecoverySource.MEMORY, self._world_size),
+                partial(_read, memory.get, target, RecoverySource.MEMORY, self._world_size),
                 (IntegrityError, NoCheckpointError), lambda error: None))
         newest_remote = plan.attempts[0].step if plan.attempts else -1
-        peer_steps = self._peer_targets(step, newest_remote) if not forced else []
-        for target in (t for t in peer_steps if t < below):
+        peer_steps, unproven = (self._peer_targets(step, newest_remote) if not forced
+                                else ({}, []))
+        for target, recorded in peer_steps.items():
+            if target >= below:
+                continue
             assert self._peers is not None
             options.setdefault(target, []).append(_Option(
                 f"peer:{self._peers.peers.run_id}/{target}",
-                partial(_read, self._peers, target, RecoverySource.PEER, self._world_size),
+                partial(_read, partial(self._peers.get, expect=recorded), target,
+                        RecoverySource.PEER, self._world_size),
                 (*PEER_ERRORS, RuntimeError),
                 partial(self._catalog.condemn, target, Tier.PEER)))
         for cand in plan.attempts:
@@ -270,7 +276,7 @@ class Restorer:
                 self._remote.path(cand.name), partial(self._read_remote, cand.name, expected),
                 (CheckpointFormatError, OSError),
                 partial(self._condemn_remote, cand.step)))
-        return options
+        return options, [s for t, s in unproven if t < below]
 
     def _read_first(self, options: list[_Option], skipped: list[SkippedCheckpoint]
                     ) -> Read | None:
@@ -301,26 +307,37 @@ class Restorer:
             if why is not None:
                 raise _Abandoned(why)
 
-    def _peer_targets(self, step: int | None, newest_remote: int) -> list[int]:
-        """Peer checkpoints to try, newest first: ``step`` if it is a valid peer row, else
-        the valid peer rows (or, with no metadata, what the peers hold) at least as new as
-        the newest remote candidate. The peers keep one state per run, so this is normally
-        one checkpoint."""
+    def _peer_targets(self, step: int | None, newest_remote: int
+                      ) -> tuple[dict[int, str], list[tuple[int, SkippedCheckpoint]]]:
+        """Peer checkpoints to try, newest first, each with the digest its row recorded
+        (``stripe_record``): ``step`` if it is a valid peer row, else the valid peer rows at
+        least as new as the newest remote candidate. The peers keep one state per run, so
+        this is normally one checkpoint.
+
+        With no peer rows (the metadata lost or rebuilt), nothing recorded what this trainer
+        put, and a copy proven only by the digests the peers send could be anyone's: the
+        peers are not read, and what they hold is reported as skipped."""
         if self._peers is None:
-            return []
+            return {}, []
         rows = self._catalog.rows(Tier.PEER)
-        if rows:
-            steps = {r.step for r in rows if r.status is Status.VALID}
-        else:
+        if not rows:
             try:
-                steps = set(self._peers.steps())
+                held = self._peers.steps()
             except PEER_ERRORS as e:
                 log.warning("cannot list the peer tier: %s", e)
-                return []
+                return {}, []
+            where = f"peer:{self._peers.peers.run_id}"
+            return {}, [(s, SkippedCheckpoint(
+                f"{where}/{s}", "not read: no metadata row records what this trainer put on "
+                "the peers (metadata lost or rebuilt?), so their copy cannot be proven; the "
+                "remote tier is read instead"))
+                for s in sorted(held, reverse=True)
+                if (s == step if step is not None else s >= newest_remote)]
+        recorded = {r.step: r.sha256 for r in rows if r.status is Status.VALID}
         if step is not None:
-            return [step] if step in steps else []
-        newer = sorted((s for s in steps if s >= newest_remote), reverse=True)
-        return newer[:MAX_RECOVERY_WALK]
+            return ({step: recorded[step]} if step in recorded else {}), []
+        newer = sorted((s for s in recorded if s >= newest_remote), reverse=True)
+        return {s: recorded[s] for s in newer[:MAX_RECOVERY_WALK]}, []
 
     def _read_remote(self, name: str, manifest_sha256: str | None) -> Read:
         loaded = read_organ(self._remote, name, manifest_sha256=manifest_sha256)
@@ -410,11 +427,13 @@ def _entry(location: str) -> str:
     return location.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
 
 
-def _read(tier: CheckpointTier, step: int, source: RecoverySource, world_size: int) -> Read:
-    """``step`` from ``tier``, verified by the tier, as a read the pilot applies; a copy
-    saved by a run of another world size is never trusted (a rank-local tier's copy belongs
-    to one rank of one layout of the job)."""
-    image = tier.get(step)
+def _read(get: Callable[[int], CheckpointImage], step: int, source: RecoverySource,
+          world_size: int) -> Read:
+    """``step`` from a tier's ``get``, verified by the tier (the peers' against the digest
+    their row recorded), as a read the pilot applies; a copy saved by a run of another world
+    size is never trusted (a rank-local tier's copy belongs to one rank of one layout of the
+    job)."""
+    image = get(step)
     where = image.source
     saved = image.meta.get("world_size")
     if saved != world_size:

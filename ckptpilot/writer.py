@@ -52,7 +52,7 @@ from ckptpilot.storage.archive import (
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
-from ckptpilot.tiers.peer.client import FULL
+from ckptpilot.tiers.peer.client import FULL, stripe_record
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import Level, RetentionClass, Status, Tier
@@ -300,8 +300,10 @@ class CheckpointWriter:
         and the sampled estimate say it is faster. Validation is the XXH3-128 stripe
         (``tiers/peer/digest.py`` says what it guarantees): every shard's digest, computed as
         it is sent, is checked by its peer on receipt and after each fold, and again by the
-        client on fetch; the layout comes from the live state itself. Folds run after the put
-        returns, so the row is valid before they finish: a fold that fails makes this
+        client on fetch; the row keeps their ``stripe_record`` (``pending`` with the meta's
+        SHA256 alone, the whole record once the put returns), which a restore checks the
+        fetched copy against; the layout comes from the live state itself. Folds run after
+        the put returns, so the row is valid before they finish: a fold that fails makes this
         checkpoint unfetchable and recovery falls back to the next tier. None when the peers
         could not take it."""
         assert self._peers is not None and snapshot.arena is not None
@@ -346,7 +348,10 @@ class CheckpointWriter:
         catalog.supersede_older(Tier.PEER, snapshot.step,
                                 f"superseded on the peers by step {snapshot.step}")
         location = f"peer:{self._peers.run_id}/{snapshot.step}@{','.join(result.endpoints)}"
+        # The row's digest covers the meta and the digests this process computed as it sent:
+        # a restore proves the peers' copy against it, never against what the peers say.
         catalog.store.mark(key, Status.VALID, location=location,
+                           sha256=stripe_record(meta, result.stripe),
                            bytes_encoded=result.bytes_sent,
                            codec=_peer_codec(result.encodings),
                            seconds_write=result.seconds)

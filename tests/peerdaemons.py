@@ -1,16 +1,45 @@
-"""Real ``ckptpilot peer serve`` processes for the peer tier tests."""
+"""Real ``ckptpilot peer serve`` processes for the peer tier tests.
+
+Every daemon started here and every client of the tests share one secret file,
+:data:`SECRET_FILE` (its key :data:`KEY`), as one job's daemons and trainers do.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from ckptpilot.fit.peers import DaemonProcess
+from ckptpilot.tiers.peer.auth import load_secret
+from ckptpilot.tiers.peer.calls import Connection, connect
+from ckptpilot.tiers.peer.calls import call as _call
+from ckptpilot.tiers.peer.protocol import (
+    TRAILER_BYTES,
+    Frame,
+    Op,
+    encode_head,
+    read_head,
+    read_payload,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
+_SECRET_DIR = Path(tempfile.mkdtemp(prefix="ckptpilot-test-peer-secret-"))
+SECRET_FILE = _SECRET_DIR / "peer.secret"
+KEY = load_secret(SECRET_FILE, what="the tests' peer secret")
+
+atexit.register(shutil.rmtree, _SECRET_DIR, ignore_errors=True)
+
+
+def call(endpoint: str, op: Op, header: dict[str, Any], *args: Any, **kw: Any) -> Frame:
+    """``calls.call`` with the tests' key."""
+    return _call(endpoint, op, header, *args, key=KEY, **kw)
 
 
 def terminate(proc: subprocess.Popen[str]) -> int:
@@ -28,7 +57,11 @@ def terminate(proc: subprocess.Popen[str]) -> int:
 
 
 class Daemon(DaemonProcess):
-    """One daemon process; ``restart`` brings it back empty on the same port."""
+    """One daemon process with the tests' secret (or ``secret_file``); ``restart`` brings
+    it back empty on the same port."""
+
+    def __init__(self, log_path: Path, *args: str, secret_file: Path = SECRET_FILE) -> None:
+        super().__init__(log_path, *args, secret_file=secret_file)
 
     def wait_listening(self, timeout_seconds: float = 60.0) -> None:
         super().wait_listening(timeout_seconds)
@@ -107,3 +140,33 @@ class Registry:
 
     def stop(self) -> int:
         return terminate(self.proc)
+
+
+def session(endpoint: str, timeout_seconds: float = 10.0) -> Connection:
+    """An authenticated connection (past its handshake) for tests that write frames by
+    hand."""
+    return connect(endpoint, KEY, timeout_seconds)
+
+
+def tagged(conn: Connection, op: Op, header: dict[str, Any], payload: bytes = b"") -> bytes:
+    """The bytes of a frame tagged for ``conn``'s session (not a PUT: see :func:`put_frame`)."""
+    raw = encode_head(op, header, len(payload))
+    return raw + conn.session.sign(raw) + payload
+
+
+def put_frame(conn: Connection, header: dict[str, Any], meta: bytes, body: bytes,
+              digest: bytes) -> bytes:
+    """A PUT frame tagged for ``conn``'s session with ``digest`` in its trailer (a real
+    sender digests ``body`` into it)."""
+    raw = encode_head(Op.PUT, header, len(meta) + len(body) + TRAILER_BYTES)
+    tag = conn.session.sign(raw)
+    return raw + tag + meta + body + digest + conn.session.trailer_tag(tag, digest)
+
+
+def reply(conn: Connection) -> Frame | None:
+    """The next frame on ``conn``, its tag checked; None at a clean close."""
+    head = read_head(conn.sock, max_payload=1 << 20)
+    if head is None:
+        return None
+    conn.session.verify(head.signed, head.tag, f"the {head.op.name} reply")
+    return read_payload(conn.sock, head)

@@ -36,6 +36,8 @@ from test_codecs_hostile import Blob, Container
 from ckptpilot.codecs import codec_names, decode_blob, read_container
 from ckptpilot.codecs.blob import DTYPES
 from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.tiers.peer.auth import TAG_BYTES
+from ckptpilot.tiers.peer.calls import call, connect
 from ckptpilot.tiers.peer.daemon import PeerDaemon
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import ProtocolError
@@ -43,7 +45,6 @@ from ckptpilot.tiers.peer.protocol import (
     PRELUDE,
     TRAILER_BYTES,
     Op,
-    call,
     read_frame,
     send_frame,
     validate_header,
@@ -52,6 +53,7 @@ from ckptpilot.tiers.peer.protocol import (
 _T = TypeVar("_T")
 MiB = 1 << 20
 FRAME_LIMIT = MiB
+KEY = b"fuzz-peer-secret" * 2
 HANG_SECONDS = 60  # a safety net only: every case takes milliseconds
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -387,7 +389,8 @@ def forged_frame(draw: st.DrawFn, frame: bytes) -> bytes:
     and then, rewritten too)."""
     _, version, op, header_len, _ = PRELUDE.unpack_from(frame)
     header = json.loads(frame[PRELUDE.size : PRELUDE.size + header_len])
-    payload = frame[PRELUDE.size + header_len :]
+    tag = frame[PRELUDE.size + header_len : PRELUDE.size + header_len + TAG_BYTES]
+    payload = frame[PRELUDE.size + header_len + TAG_BYTES :]
     for _ in range(draw(st.integers(1, 3))):
         key = draw(st.sampled_from([*header, "extra"]))
         header[key] = draw(rewritten(header.get(key)))
@@ -396,7 +399,7 @@ def forged_frame(draw: st.DrawFn, frame: bytes) -> bytes:
     text = dumps(header)
     declared = len(payload) if draw(st.integers(0, 4)) else draw(length_near(len(payload)))
     op = op if draw(st.integers(0, 6)) else draw(st.integers(0, 255))
-    return PRELUDE.pack(b"CKPP", version, op, len(text), declared) + text + payload
+    return PRELUDE.pack(b"CKPP", version, op, len(text), declared) + text + tag + payload
 
 
 def parse_all(data: bytes) -> list[Any]:
@@ -451,14 +454,14 @@ def test_forged_frames_parse_whole_or_raise_protocol_errors(data: st.DataObject)
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[PeerDaemon]:
     """A daemon in this process, holding shard 0 of checkpoint 1 (the fuzzed DELTA's base)."""
-    served = PeerDaemon("127.0.0.1", 0, mem_limit=4 * MiB, frame_timeout_seconds=10)
+    served = PeerDaemon("127.0.0.1", 0, key=KEY, mem_limit=4 * MiB, frame_timeout_seconds=10)
     thread = threading.Thread(target=served.serve_forever)
     thread.start()
     try:
         endpoint = f"127.0.0.1:{served.address[1]}"
         base = bytes(64)
         header = {**_shard_header(Op.PUT, base, META), "ckpt_id": 1}
-        call(endpoint, Op.PUT, header, [META, base], timeout_seconds=10)
+        call(endpoint, Op.PUT, header, [META, base], key=KEY, timeout_seconds=10)
         yield served
     finally:
         served.shutdown()
@@ -466,8 +469,10 @@ def daemon() -> Iterator[PeerDaemon]:
 
 
 def replies(endpoint: tuple[str, int], data: bytes) -> list[Any]:
-    """The daemon's replies to ``data`` sent on one connection, until it closes."""
-    with socket.create_connection(endpoint, timeout=HANG_SECONDS) as sock:
+    """The daemon's replies to ``data`` sent on one connection past its handshake (the
+    fuzzed frames' tags are not the session's: each is refused, by its form or its tag),
+    until it closes."""
+    with connect(f"{endpoint[0]}:{endpoint[1]}", KEY, HANG_SECONDS).sock as sock:
         try:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
@@ -497,5 +502,5 @@ def test_a_daemon_answers_every_fuzzed_frame_with_ok_or_err_and_keeps_serving(
     for reply in answers:
         assert reply.op in (Op.OK, Op.ERR)
         assert reply.op is Op.OK or reply.header["code"] != "internal_error", reply.header
-    pong = call(f"127.0.0.1:{daemon.address[1]}", Op.PING, {}, timeout_seconds=10)
+    pong = call(f"127.0.0.1:{daemon.address[1]}", Op.PING, {}, key=KEY, timeout_seconds=10)
     assert pong.op is Op.OK

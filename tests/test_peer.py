@@ -5,6 +5,7 @@ frames, SIGTERM, and placement."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -20,11 +21,25 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from peerdaemons import Daemon, restart, revive, start, stop_all
+from peerdaemons import (
+    KEY,
+    SECRET_FILE,
+    Daemon,
+    call,
+    put_frame,
+    reply,
+    restart,
+    revive,
+    session,
+    start,
+    stop_all,
+    tagged,
+)
 
 from ckptpilot.codecs import get_codec
 from ckptpilot.policy import PeerTierPolicy
 from ckptpilot.tiers.peer import PeerRequestError, PeerTier, PeerUnavailable
+from ckptpilot.tiers.peer.auth import NO_TAG
 from ckptpilot.tiers.peer.daemon import PeerDaemon
 from ckptpilot.tiers.peer.deltas import (
     BLOCK_BYTES,
@@ -42,16 +57,23 @@ from ckptpilot.tiers.peer.deltas import (
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import NotEnoughPeers
 from ckptpilot.tiers.peer.parity import parity_of, shard_size, split
-from ckptpilot.tiers.peer.placement import PeerReading, PeerStatus, Placement, rank_peers
+from ckptpilot.tiers.peer.placement import (
+    PeerReading,
+    PeerStatus,
+    Placement,
+    rank_peers,
+)
+from ckptpilot.tiers.peer.placement import (
+    ping as ping_with,
+)
 from ckptpilot.tiers.peer.protocol import (
     BLOCKS,
     PRELUDE,
+    TRAILER_BYTES,
     VERSION,
     XOR_DELTA,
     Op,
     bitmap_bytes,
-    call,
-    encode_head,
     read_frame,
     shard_tensor,
 )
@@ -94,7 +116,8 @@ def endpoints(nodes: list[Daemon]) -> list[str]:
 def tier(nodes: list[Daemon], run_id: str, **kw: object) -> PeerTier:
     options: dict[str, object] = {"probe_interval": 0.2, "timeout_seconds": 3.0,
                                   "lease_seconds": 60.0, "deltas": "always", **kw}
-    return PeerTier(endpoints(nodes), run_id=run_id, **options)  # type: ignore[arg-type]
+    return PeerTier(endpoints(nodes), run_id=run_id, secret=KEY,
+                    **options)  # type: ignore[arg-type]
 
 
 def weights(n_floats: int, seed: int = 0) -> np.ndarray:
@@ -131,12 +154,6 @@ def raw_put(endpoint: str, run: str, ckpt: int, body: bytes, *, commit_it: bool 
     call(endpoint, Op.PUT, header, [b"{}", body], timeout_seconds=10)
     if commit_it:
         commit(endpoint, run, ckpt, body, lease_seconds)
-
-
-def put_frame(header: dict[str, object], meta: bytes, body: bytes, trailer: bytes) -> bytes:
-    """A PUT frame with the given trailer (a real sender digests ``body`` into it)."""
-    return encode_head(Op.PUT, header, len(meta) + len(body) + len(trailer)) + meta + body + \
-        trailer
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -361,12 +378,12 @@ def _put_head(payload_len: int) -> bytes:
               "data_shards": 1, "kind": "data", "image_len": 8, "shard_size": 8, "meta_len": 0,
               "meta_digest": "0" * 32, "lease_seconds": 1.0}
     raw = json.dumps(header).encode()
-    return PRELUDE.pack(b"CKPP", VERSION, int(Op.PUT), len(raw), payload_len) + raw
+    return PRELUDE.pack(b"CKPP", VERSION, int(Op.PUT), len(raw), payload_len) + raw + NO_TAG
 
 
 def _list_frame(run_id: bytes) -> bytes:
     raw = b'{"run_id": ' + run_id + b"}"
-    return PRELUDE.pack(b"CKPP", VERSION, int(Op.LIST), len(raw), 0) + raw
+    return PRELUDE.pack(b"CKPP", VERSION, int(Op.LIST), len(raw), 0) + raw + NO_TAG
 
 
 @pytest.mark.parametrize(("kind", "data", "reason"), [
@@ -381,17 +398,18 @@ def test_hostile_frames_close_only_that_connection(cluster: list[Daemon], kind: 
                                                    data: bytes, reason: str) -> None:
     node = cluster[0]
     host, port = "127.0.0.1", node.port
-    with socket.create_connection((host, port), timeout=5) as idle, \
-            socket.create_connection((host, port), timeout=5) as bad:
+    idle = session(node.endpoint)
+    with idle.sock, socket.create_connection((host, port), timeout=5) as bad:
+        hello = read_frame(bad, max_payload=0)
+        assert hello is not None and hello.op is Op.HELLO
         bad.sendall(data)
         if kind == "truncated":
             bad.shutdown(socket.SHUT_WR)
-        reply = read_frame(bad, max_payload=0)  # an ERR naming the fault, then EOF
-        assert reply is not None and reply.op is Op.ERR and reason in reply.header["error"]
+        err = read_frame(bad, max_payload=0)  # an ERR naming the fault, then EOF
+        assert err is not None and err.op is Op.ERR and reason in err.header["error"]
         assert bad.recv(1) == b""
-        send = encode_head(Op.PING, {}, 0)
-        idle.sendall(send)  # the other connection is still served
-        pong = read_frame(idle, max_payload=0)
+        idle.sock.sendall(tagged(idle, Op.PING, {}))  # the other connection is still served
+        pong = reply(idle)
         assert pong is not None and pong.op is Op.OK
     assert "closing connection from 127.0.0.1" in node.log()
     with tier(cluster, f"after-{kind}") as t:
@@ -402,7 +420,7 @@ def test_hostile_frames_close_only_that_connection(cluster: list[Daemon], kind: 
 @contextmanager
 def local_daemon(port: int = 0) -> Iterator[PeerDaemon]:
     """A daemon serving on a thread of this process, so that a test can read its counters."""
-    daemon = PeerDaemon("127.0.0.1", port, mem_limit=8 * MiB)
+    daemon = PeerDaemon("127.0.0.1", port, key=KEY, mem_limit=8 * MiB)
     thread = threading.Thread(target=daemon.serve_forever, name="test-peer-daemon")
     thread.start()
     try:
@@ -436,7 +454,7 @@ def test_the_daemon_queues_at_least_128_connects_before_it_accepts_one() -> None
     """A backlog of 5 drops the SYNs of a burst of connects: each costs a retransmit (1 s).
     The daemon is constructed (listening) but not serving, so nothing is accepted; the
     timeout is only a safety net against a hang."""
-    daemon = PeerDaemon("127.0.0.1", 0, mem_limit=MiB)
+    daemon = PeerDaemon("127.0.0.1", 0, key=KEY, mem_limit=MiB)
     connected: list[socket.socket] = []
     try:
         for _ in range(128):
@@ -451,8 +469,9 @@ def test_the_daemon_queues_at_least_128_connects_before_it_accepts_one() -> None
 def test_the_client_keeps_one_connection_per_peer_across_requests() -> None:
     image, meta = np.random.default_rng(3).bytes(10_000), b'{"step": 1}'
     with local_daemon() as daemon, PeerTier([local_endpoint(daemon)], run_id="reuse",
-                                            data_shards=1, parity=False, probe_interval=3600,
-                                            lease_seconds=60, deltas="never") as t:
+                                            secret=KEY, data_shards=1, parity=False,
+                                            probe_interval=3600, lease_seconds=60,
+                                            deltas="never") as t:
         for ckpt in (1, 2, 3):
             t.put(ckpt, image, meta)
             assert bytes(t.fetch().image) == image
@@ -464,7 +483,8 @@ def test_a_daemon_restarted_on_the_same_port_is_reached_through_the_same_client(
     image, meta = np.random.default_rng(4).bytes(10_000), b'{"step": 1}'
     with local_daemon() as first:
         port = first.address[1]
-        t = PeerTier([local_endpoint(first)], run_id="restart", data_shards=1, parity=False,
+        t = PeerTier([local_endpoint(first)], run_id="restart", secret=KEY, data_shards=1,
+                     parity=False,
                      probe_interval=3600, lease_seconds=60, deltas="never")
     try:
         with local_daemon(port) as second:  # empty: the first one's shards are gone
@@ -480,18 +500,18 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_zero(small: Daemon) ->
     node = small
     body, meta = bytes(range(256)) * 64, b"{}"
     header = one_shard_header("t", 1, body, lease_seconds=5.0)
-    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock, \
-            socket.create_connection(("127.0.0.1", node.port), timeout=10):
-        frame = put_frame(header, meta, body, bytes.fromhex(digest_of(body)))
-        cut = len(frame) - len(body) - 16 + 100
+    conn = session(node.endpoint)
+    with conn.sock as sock, socket.create_connection(("127.0.0.1", node.port), timeout=10):
+        frame = put_frame(conn, header, meta, body, bytes.fromhex(digest_of(body)))
+        cut = len(frame) - len(body) - TRAILER_BYTES + 100
         sock.sendall(frame[:cut])
         time.sleep(0.3)
         assert node.proc is not None
         node.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         sock.sendall(frame[cut:])
-        reply = read_frame(sock, max_payload=0)
-        assert reply is not None and reply.op is Op.OK
+        answer = reply(conn)
+        assert answer is not None and answer.op is Op.OK
         assert node.proc.wait(10) == 0
     assert "received SIGTERM" in node.log() and "peer daemon stopped" in node.log()
 
@@ -550,7 +570,8 @@ def test_placement_avoids_slow_peers_and_forgives_them() -> None:
 
 def test_placement_against_real_daemons(cluster: list[Daemon]) -> None:
     eps = endpoints(cluster)
-    p = Placement(eps, probe_interval=60, timeout_seconds=0.5, rtt_tie_seconds=10.0)
+    p = Placement(eps, probe_interval=60, timeout_seconds=0.5, rtt_tie_seconds=10.0,
+                  probe=functools.partial(ping_with, key=KEY))
     p.start()
     try:
         raw_put(eps[0], "fat", 1, bytes(16 * MiB), commit_it=True)
@@ -576,7 +597,8 @@ def test_placement_against_real_daemons(cluster: list[Daemon]) -> None:
 
 def test_peer_tier_from_policy(cluster: list[Daemon]) -> None:
     policy = PeerTierPolicy(enabled=True, endpoints=endpoints(cluster)[:3], data_shards=2,
-                            lease_seconds=30.0, timeout_seconds=2.0, probe_interval=0.5)
+                            lease_seconds=30.0, timeout_seconds=2.0, probe_interval=0.5,
+                            secret_file=str(SECRET_FILE))
     with PeerTier.from_policy(policy, run_id="from-policy") as t:
         assert (t.shard_count, t.lease_seconds, t.timeout_seconds) == (3, 30.0, 2.0)
         assert len(t.put(1, b"x" * 1000, b"m").endpoints) == 3
@@ -585,11 +607,11 @@ def test_peer_tier_from_policy(cluster: list[Daemon]) -> None:
 
 def test_peer_tier_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="4 shards need 4 distinct peers"):
-        PeerTier(["127.0.0.1:1", "127.0.0.1:2"], run_id="r")
+        PeerTier(["127.0.0.1:1", "127.0.0.1:2"], run_id="r", secret=KEY)
     with pytest.raises(ValueError, match="host:port"):
-        PeerTier(["nonsense"] * 4, run_id="r")
+        PeerTier(["nonsense"] * 4, run_id="r", secret=KEY)
     with pytest.raises(ValueError, match="run_id"):
-        PeerTier(["127.0.0.1:1"], run_id="", data_shards=1, parity=False)
+        PeerTier(["127.0.0.1:1"], run_id="", secret=KEY, data_shards=1, parity=False)
 
 
 def test_cli_rejects_bad_options_in_one_line(cluster: list[Daemon],
@@ -604,7 +626,15 @@ def test_cli_rejects_bad_options_in_one_line(cluster: list[Daemon],
     root = logging.getLogger()
     level = root.level
     try:
-        assert main(["peer", "serve", "--port", str(cluster[0].port)]) == 2  # port taken
+        assert main(["peer", "serve"]) == 2  # never serves without a secret
+        err = capsys.readouterr().err
+        assert err.startswith("ckptpilot peer serve: error: no peer secret: set --secret-file "
+                              "(a file, created with a random secret when missing) or "
+                              "CKPTPILOT_PEER_SECRET; give every trainer and daemon of the "
+                              "job the same secret")
+        assert len(err.strip().splitlines()) == 1
+        assert main(["peer", "serve", "--port", str(cluster[0].port),  # port taken
+                     "--secret-file", str(SECRET_FILE)]) == 2
     finally:
         root.setLevel(level)
     err = capsys.readouterr().err
@@ -693,7 +723,8 @@ def test_a_byte_flipped_on_the_wire_to_the_client_is_named_and_rebuilt_from_pari
         cluster: list[Daemon], caplog: pytest.LogCaptureFixture) -> None:
     image = weights(250_000, seed=15).tobytes()  # shards of 333 KB
     with proxied(cluster[:4]) as proxies, PeerTier(
-            [p.endpoint for p in proxies], run_id="wire-get", probe_interval=0.2,
+            [p.endpoint for p in proxies], run_id="wire-get", secret=KEY,
+            probe_interval=0.2,
             timeout_seconds=5.0, lease_seconds=60.0) as t:
         put = t.put(1, image, b"m")
         bad = next(p for p in proxies if p.endpoint == put.endpoints[1])
@@ -714,7 +745,8 @@ def test_a_byte_flipped_on_the_wire_to_a_peer_is_refused_by_it_and_named(
     damage."""
     image = weights(250_000, seed=16).tobytes()
     with proxied(cluster[:4]) as proxies, PeerTier(
-            [p.endpoint for p in proxies], run_id="wire-put", probe_interval=0.2,
+            [p.endpoint for p in proxies], run_id="wire-put", secret=KEY,
+            probe_interval=0.2,
             timeout_seconds=5.0, lease_seconds=60.0, deltas="never") as t:
         proxies[2].arm("to-peer", 64 << 10)
         with pytest.raises(PeerUnavailable) as info:
@@ -735,16 +767,18 @@ def test_a_damaged_put_frame_gets_an_err_and_the_connection_carries_on(small: Da
     header = one_shard_header("flip", 1, body)
     damaged = bytearray(body)
     damaged[1000] ^= 0x80
-    with socket.create_connection(("127.0.0.1", small.port), timeout=10) as sock:
-        sock.sendall(put_frame(header, b"{}", bytes(damaged), bytes.fromhex(digest_of(body))))
-        reply = read_frame(sock, max_payload=0)
-        assert reply is not None and reply.op is Op.ERR
-        assert reply.header["code"] == "digest_mismatch"
-        assert reply.header["error"] == (
+    conn = session(small.endpoint)
+    with conn.sock as sock:
+        sock.sendall(put_frame(conn, header, b"{}", bytes(damaged),
+                               bytes.fromhex(digest_of(body))))
+        err = reply(conn)
+        assert err is not None and err.op is Op.ERR
+        assert err.header["code"] == "digest_mismatch"
+        assert err.header["error"] == (
             f"digest mismatch on the received shard 0 of checkpoint 1 (expected "
             f"{digest_of(body)}, got {digest_of(bytes(damaged))}); resend it")
-        sock.sendall(encode_head(Op.PING, {}, 0))
-        pong = read_frame(sock, max_payload=0)
+        sock.sendall(tagged(conn, Op.PING, {}))
+        pong = reply(conn)
         assert pong is not None and pong.op is Op.OK  # still in step
     assert ping(small.endpoint)["mem_used"] == 0  # nothing kept, the reservation released
 

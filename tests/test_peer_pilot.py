@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from peerdaemons import Daemon, revive, start, stop_all
+from peerdaemons import SECRET_FILE, Daemon, call, revive, start, stop_all
 
 from ckptpilot import CheckpointPilot, RecoverySource
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers.peer.protocol import Op, call
+from ckptpilot.tiers.peer.protocol import Op
 
 JOB = Path(__file__).with_name("crashjob.py")
 STEPS = 50
@@ -55,7 +55,7 @@ def config(tmp: Path, cluster: list[Daemon], *, organ_every: int = 2) -> Path:
                     loss: {{slope_threshold: 1000.0}}, organ_every: {organ_every}}}
         tiers: {{peer: {{enabled: true, endpoints: [{eps}], data_shards: 3, parity: true,
                         lease_seconds: 60, timeout_seconds: 5, probe_interval: 0.2,
-                        deltas: always}}}}
+                        deltas: always, secret_file: "{SECRET_FILE}"}}}}
         observability: {{tensorboard: false, decision_log: false}}
         retention: {{auto: false}}
         """))  # every save stays on disk to be inspected; see test_autoprune.py

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from ckptpilot.errors import CkptPilotError
+from ckptpilot.tiers.peer.auth import NO_TAG, Session, hello_tag, new_nonce
+from ckptpilot.tiers.peer.calls import Connections
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import PeerRequestError, ProtocolError
 from ckptpilot.tiers.peer.protocol import (
@@ -19,7 +21,6 @@ from ckptpilot.tiers.peer.protocol import (
     TRAILER_BYTES,
     VERSION,
     Body,
-    Connections,
     Op,
     encode_head,
     parse_endpoint,
@@ -32,6 +33,16 @@ from ckptpilot.tiers.peer.protocol import (
 )
 
 LIMIT = 1 << 20
+KEY = b"k" * 32
+
+
+def greet(conn: socket.socket) -> Session:
+    """The daemon's side of the handshake (``auth``) on an accepted connection."""
+    nonce = new_nonce()
+    send_frame(conn, Op.HELLO, {"nonce": nonce}, tag=lambda raw: hello_tag(KEY, raw))
+    head = read_head(conn, max_payload=0)
+    assert head is not None and head.op is Op.HELLO
+    return Session(KEY, nonce, head.header["nonce"], daemon=True)
 
 
 @pytest.fixture
@@ -61,7 +72,7 @@ def shard_header(op: Op = Op.PUT, *, meta: bytes = b"{}", size: int = 16) -> dic
 def raw_frame(op: int, header: bytes, payload: bytes = b"", *, magic: bytes = MAGIC,
               version: int = VERSION, payload_len: int | None = None) -> bytes:
     size = len(payload) if payload_len is None else payload_len
-    return PRELUDE.pack(magic, version, op, len(header), size) + header + payload
+    return PRELUDE.pack(magic, version, op, len(header), size) + header + NO_TAG + payload
 
 
 def test_put_frame_round_trip_splits_meta_and_shard(pair: tuple[socket.socket, socket.socket]
@@ -186,7 +197,7 @@ PING_HEADER = b"{}"
      "field 'lease_seconds' is invalid"),
     (raw_frame(Op.ERR, b'{"error": "x"}'), "missing field 'code'"),
     (raw_frame(Op.PING, PING_HEADER)[:7], "truncated frame.*prelude"),
-    (raw_frame(Op.LIST, b'{"run_id": "r"}')[:-3], "truncated frame.*header"),
+    (raw_frame(Op.LIST, b'{"run_id": "r"}')[:-3 - len(NO_TAG)], "truncated frame.*header"),
 ])
 def test_malformed_frames_raise_protocol_error(pair: tuple[socket.socket, socket.socket],
                                                data: bytes, match: str) -> None:
@@ -201,7 +212,7 @@ def test_truncated_payload_raises(pair: tuple[socket.socket, socket.socket]) -> 
     a, b = pair
     meta = b"{}"
     head = encode_head(Op.PUT, shard_header(meta=meta), len(meta) + 16 + TRAILER_BYTES)
-    a.sendall(head + meta + bytes(10))
+    a.sendall(head + NO_TAG + meta + bytes(10))
     a.shutdown(socket.SHUT_WR)
     with pytest.raises(ProtocolError, match=r"truncated frame.* 10 of 16 bytes of the PUT"):
         read_frame(b, max_payload=LIMIT)
@@ -222,9 +233,9 @@ def test_oversized_payload_is_refused_before_anything_is_allocated(
     ({"shard_count": 3}, "shard_count 3 must be data_shards"),
     ({"kind": "parity"}, "cannot be of kind 'parity'"),
     ({"shard_size": 12}, "shard_size 12 must be a multiple of 8"),
-    ({"shard_size": 24}, "PUT payload is 34 bytes, header says meta_len 2 \\+ shard_size 24 "
-                         "\\+ a 16-byte digest"),
-    ({"meta_len": 3}, "PUT payload is 34 bytes"),
+    ({"shard_size": 24}, "PUT payload is 66 bytes, header says meta_len 2 \\+ shard_size 24 "
+                         "\\+ a 48-byte digest \\+ tag trailer"),
+    ({"meta_len": 3}, "PUT payload is 66 bytes"),
     ({"meta_digest": "XYZ"}, "field 'meta_digest' is invalid"),
     ({"meta_digest": "ab" * 32}, "field 'meta_digest' is invalid"),  # a SHA256 is no XXH3-128
     ({"run_id": ""}, "field 'run_id' is invalid"),
@@ -319,14 +330,16 @@ class ScriptedPeer:
             self.received.append(ops)
             with conn:
                 conn.settimeout(10)
+                session = greet(conn)
                 for action in actions:
                     frame = read_frame(conn, max_payload=LIMIT)
                     if frame is None:
                         break
+                    session.verify(frame.head.signed, frame.head.tag, "request")
                     ops.append(frame.op)
                     if action == "drop":
                         break
-                    send_frame(conn, Op.OK, {})
+                    send_frame(conn, Op.OK, {}, session=session)
 
     def close(self) -> None:
         self.thread.join(10)
@@ -335,7 +348,7 @@ class ScriptedPeer:
 
 def test_a_request_that_meets_a_dead_pooled_connection_is_resent_once_if_safe() -> None:
     peer = ScriptedPeer([["ok", "drop"], ["ok"]])
-    connections = Connections()
+    connections = Connections(key=KEY)
     try:
         connections.call(peer.endpoint, Op.PING, {}, timeout_seconds=10)
         reply = connections.call(peer.endpoint, Op.LIST, {"run_id": "r"}, timeout_seconds=10)
@@ -348,7 +361,7 @@ def test_a_request_that_meets_a_dead_pooled_connection_is_resent_once_if_safe() 
 
 def test_a_put_that_meets_a_dead_pooled_connection_is_not_resent() -> None:
     peer = ScriptedPeer([["ok", "drop"], ["ok"]])
-    connections = Connections()
+    connections = Connections(key=KEY)
     meta, body = b"{}", bytes(range(16))
     try:
         connections.call(peer.endpoint, Op.PING, {}, timeout_seconds=10)
@@ -375,17 +388,20 @@ def test_connections_are_reused_after_ok_and_after_a_fair_err() -> None:
             conn, _ = listener.accept()
             accepted.append(1)
             with conn:
+                session = greet(conn)
                 for reply in replies:
-                    if read_frame(conn, max_payload=LIMIT) is None:
+                    frame = read_frame(conn, max_payload=LIMIT)
+                    if frame is None:
                         break
+                    session.verify(frame.head.signed, frame.head.tag, "request")
                     if reply == "ok":
-                        send_frame(conn, Op.OK, {})
+                        send_frame(conn, Op.OK, {}, session=session)
                     else:
-                        send_error(conn, reply, f"{reply} here")
+                        send_error(conn, reply, f"{reply} here", session)
 
     thread = threading.Thread(target=serve)
     thread.start()
-    connections = Connections()
+    connections = Connections(key=KEY)
     try:
         connections.call(endpoint, Op.PING, {}, timeout_seconds=10)
         with pytest.raises(PeerRequestError, match="not_found here"):

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from peerdaemons import Daemon, Registry, start, stop_all
+from peerdaemons import SECRET_FILE, Daemon, Registry, call, session, start, stop_all
 
 from ckptpilot.policy import PeerTierPolicy
 from ckptpilot.tiers.peer import PeerTier
-from ckptpilot.tiers.peer.protocol import TRAILER_BYTES, Op, call, encode_head, read_frame
+from ckptpilot.tiers.peer.protocol import TRAILER_BYTES, Op, encode_head, read_frame
 from ckptpilot.tiers.peer.registry import (
     HealthRegistry,
     NodeState,
@@ -56,7 +56,7 @@ def policy(registry: str, daemons: list[Daemon], **kw: object) -> PeerTierPolicy
     options: dict[str, object] = {"enabled": True, "endpoints": [d.endpoint for d in daemons],
                                   "data_shards": 2, "parity": True, "registry": registry,
                                   "probe_interval": 0.2, "timeout_seconds": 3.0,
-                                  "lease_seconds": 60.0, **kw}
+                                  "lease_seconds": 60.0, "secret_file": str(SECRET_FILE), **kw}
     return PeerTierPolicy(**options)  # type: ignore[arg-type]
 
 
@@ -154,12 +154,14 @@ def test_sigterm_publishes_draining_then_down(cluster: tuple[Registry, list[Daem
     assert leaving.proc is not None
     # A request in flight holds the daemon in its shutdown long enough to see "draining".
     body = bytes(4096)
-    with socket.create_connection(("127.0.0.1", leaving.port), timeout=10) as sock:
+    conn = session(leaving.endpoint)
+    with conn.sock as sock:
         head = {"run_id": "slow", "ckpt_id": 1, "shard_index": 0, "shard_count": 1,
                 "data_shards": 1, "kind": "data", "image_len": len(body),
                 "shard_size": len(body), "meta_len": 0, "meta_digest": "0" * 32,
                 "lease_seconds": 5.0}
-        sock.sendall(encode_head(Op.PUT, head, len(body) + TRAILER_BYTES) + body[:100])
+        raw = encode_head(Op.PUT, head, len(body) + TRAILER_BYTES)
+        sock.sendall(raw + conn.session.sign(raw) + body[:100])
         time.sleep(0.2)
         leaving.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: state_of(reader, node).status == "draining", 3.0,
@@ -212,7 +214,9 @@ def test_cli_rejects_bad_input_in_one_line(cluster: tuple[Registry, list[Daemon]
     root = logging.getLogger()
     level = root.level
     try:
-        for argv, message in returns:
+        for args, message in returns:
+            # serve: past the secret, to the registry's checks
+            argv = [*args, "--secret-file", str(SECRET_FILE)] if args[1] == "serve" else args
             assert main(argv) == 2, argv
             err = capsys.readouterr().err
             assert message in err and len(err.strip().splitlines()) == 1, (argv, err)

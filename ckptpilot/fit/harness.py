@@ -360,7 +360,8 @@ class Harness:
             remote["url"] = f"{remote['url'].rstrip('/')}/fit-{self.fit_id}/{name}"
         peer = data["tiers"]["peer"]
         if peers is not None:
-            peer.update(enabled=True, endpoints=peers.endpoints, registry=None)
+            peer.update(enabled=True, endpoints=peers.endpoints, registry=None,
+                        secret_file=str(peers.secret_file))
         else:
             peer["enabled"] = False
         path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -2,7 +2,9 @@
 
 The peer scenarios kill, stop and revive these, never the daemons a user's policy names.
 Each listens on an ephemeral port chosen by the kernel and, once restarted after a kill,
-comes back empty on the same port, as a rebooted node does.
+comes back empty on the same port, as a rebooted node does. They share one secret file
+(:attr:`PeerCluster.secret_file`), which the scenarios' policies name as
+``tiers.peer.secret_file``.
 
 Lifecycle: ``PeerCluster(...)`` starts every daemon (in parallel) and waits until each
 listens; ``kill``/``stop`` hurt one; ``revive`` resumes stopped ones and restarts dead ones;
@@ -19,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ckptpilot.tiers.peer.auth import load_secret
+
 LISTENING = "ckptpilot peer listening on "
 START_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 10.0
@@ -30,12 +34,14 @@ class PeerDaemonError(RuntimeError):
 
 
 class DaemonProcess:
-    """One ``ckptpilot peer serve`` process (``args`` after the host and port); ``spawn``
-    again after it died brings it back, empty, on the same port. The peer tests use it too."""
+    """One ``ckptpilot peer serve`` process (``args`` after the host, port and secret file);
+    ``spawn`` again after it died brings it back, empty, on the same port. The peer tests use
+    it too."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str, secret_file: Path) -> None:
         self.log_path = log_path
         self.args = args
+        self.secret_file = secret_file
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
 
@@ -45,7 +51,7 @@ class DaemonProcess:
 
     def spawn(self) -> None:
         cmd = [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *self.args]
+               "--port", str(self.port), "--secret-file", str(self.secret_file), *self.args]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                          stdin=subprocess.DEVNULL,
@@ -93,7 +99,10 @@ class DaemonProcess:
 class PeerCluster:
     def __init__(self, log_dir: Path, count: int) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._daemons = [DaemonProcess(log_dir / f"peer{i}.log", "--mem-limit", MEM_LIMIT)
+        self.secret_file = log_dir / "peer.secret"
+        load_secret(self.secret_file, what="fit's peer secret")  # created before the daemons
+        self._daemons = [DaemonProcess(log_dir / f"peer{i}.log", "--mem-limit", MEM_LIMIT,
+                                       secret_file=self.secret_file)
                          for i in range(count)]
         self._stopped: set[str] = set()
         try:

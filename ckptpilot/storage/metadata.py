@@ -774,7 +774,10 @@ class MetadataStore:
     def _update(self, conn: Connection, row: CheckpointRow, status: Status | str,
                 fields: Mapping[str, Any]) -> CheckpointRow:
         status = _enum(Status, status, "status")
-        unknown = set(fields) - _MUTABLE_FIELDS
+        # A digest known only once the bytes are out (the peers' stripe) is recorded when the
+        # pending row is published; after that it never changes.
+        publishing = row.status is Status.PENDING and status is Status.VALID
+        unknown = set(fields) - _MUTABLE_FIELDS - ({"sha256"} if publishing else set())
         if unknown:
             raise TypeError(
                 f"cannot set {', '.join(sorted(unknown))}; settable fields: "

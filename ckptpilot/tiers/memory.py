@@ -11,8 +11,11 @@ beyond the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it kee
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
 
 It implements :class:`~ckptpilot.tiers.base.CheckpointTier` (``put``/``get``/``steps``/
-``discard``/``close``): a put keeps the image's arena itself, with its SHA256, so a ``get``
-detects a held buffer that was written to after the put (a pool bug reusing it).
+``discard``/``close``): ``hold`` and ``put`` keep the arena itself with its XXH3-128 digest
+(taken on the writer thread, which holds it; the training thread's stall is the capture
+alone), so a ``get`` detects a held buffer that was written to after it was kept (a pool bug
+reusing it, a stray write). XXH3, not SHA256: the bytes never leave this process, so the
+digest guards against accidents, not forgers, and it costs a fraction of a SHA256 pass.
 
 Threading: the writer thread calls ``hold`` / ``put``; the training thread ``newest`` and,
 through the pool, ``reclaim``; a lock guards the entry and is never held while calling the
@@ -21,27 +24,27 @@ pool.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from dataclasses import dataclass, replace
 
 from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.state import HostBufferPool, Snapshot
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
 
 @dataclass(frozen=True)
 class MemoryEntry:
-    """The held snapshot; ``sha256`` of its arena when it came through ``put`` (``hold``,
-    the pilot's path, skips the extra hash pass)."""
+    """The held snapshot and the XXH3-128 ``digest`` of its arena, taken when it was kept
+    (None: a snapshot without an arena)."""
 
     snapshot: Snapshot
     level: str
     reason: str = ""
     retention_class: str = RetentionClass.ROUTINE.value
     score: float | None = None
-    sha256: str | None = None
+    digest: str | None = None
 
     @property
     def step(self) -> int:
@@ -66,8 +69,10 @@ class MemoryTier:
         """Keep ``snapshot`` as the newest; the snapshot it replaces goes back to the pool.
         False when it is not kept — then the caller still owns its buffers. A snapshot over
         ``max_bytes`` is not kept, and the older one held is dropped too: the tier must never
-        offer a checkpoint older than the newest saved one as the newest."""
-        return self._keep(MemoryEntry(snapshot, level))
+        offer a checkpoint older than the newest saved one as the newest. Digests the arena
+        (on the caller's thread: the writer's)."""
+        digest = None if snapshot.arena is None else digest_of(snapshot.arena.numpy())
+        return self._keep(MemoryEntry(snapshot, level, digest=digest))
 
     def _keep(self, entry: MemoryEntry) -> bool:
         with self._lock:
@@ -87,7 +92,7 @@ class MemoryTier:
         (``kept=False``) when it is over ``max_bytes`` — the older image is dropped then — or
         older than the one held."""
         snapshot = image.snapshot()
-        digest = hashlib.sha256(image.arena.numpy()).hexdigest()
+        digest = digest_of(image.arena.numpy())
         kept = self._keep(MemoryEntry(snapshot, image.level.value, image.reason,
                                       image.retention_class.value, image.score, digest))
         return PutReceipt(image.step, f"memory:step {image.step}",
@@ -95,7 +100,7 @@ class MemoryTier:
 
     def get(self, step: int) -> CheckpointImage:
         """A copy of the held image (its buffers go back to the snapshot pool later), checked
-        against the SHA256 taken at ``put``; one kept by ``hold`` has none to check."""
+        against the digest taken when it was kept."""
         with self._lock:
             held = self._entry
             if held is None or held.step != step:
@@ -108,11 +113,11 @@ class MemoryTier:
                 step, snap.meta, snap.tensors, level=Level(held.level), reason=held.reason,
                 retention_class=RetentionClass(held.retention_class), score=held.score)
             got = replace(got, source=f"memory:step {step}", bytes_read=got.nbytes)
-        if held.sha256 is not None:
-            actual = hashlib.sha256(got.arena.numpy()).hexdigest()
-            if actual != held.sha256:
+        if held.digest is not None:
+            actual = digest_of(got.arena.numpy())
+            if actual != held.digest:
                 raise IntegrityError(f"memory:step {step} (the held arena changed after it "
-                                     "was put)", held.sha256, actual)
+                                     "was kept)", held.digest, actual)
         return got
 
     def steps(self) -> list[int]:

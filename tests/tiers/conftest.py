@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: peerdaemons
 
-from peerdaemons import Daemon, revive, start, stop_all
+from peerdaemons import KEY, Daemon, call, revive, start, stop_all
 
 from ckptpilot.state import HostBufferPool
 from ckptpilot.tiers.archive import RemoteCheckpointTier
@@ -27,7 +27,7 @@ from ckptpilot.tiers.base import CheckpointTier, TierCapabilities
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable
 from ckptpilot.tiers.peer.client import PeerCheckpointTier
-from ckptpilot.tiers.peer.protocol import Op, call
+from ckptpilot.tiers.peer.protocol import Op
 from ckptpilot.tiers.remote import RemoteTier
 
 PEERS = 3
@@ -127,7 +127,7 @@ def peer_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     daemons = revive(request.getfixturevalue("peer_daemons"))
     endpoints = [d.endpoint for d in daemons]
     run_id = f"conformance-{uuid.uuid4().hex[:12]}"
-    options: dict[str, Any] = {"run_id": run_id, "data_shards": 2, "parity": True,
+    options: dict[str, Any] = {"run_id": run_id, "secret": KEY, "data_shards": 2, "parity": True,
                                "probe_interval": 0.2, "timeout_seconds": 5.0,
                                "lease_seconds": 60.0, "deltas": "always"}
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Backend
-from peerdaemons import Daemon, revive
+from peerdaemons import KEY, Daemon, revive
 
 from ckptpilot.errors import IntegrityError, NoCheckpointError, StateError
 from ckptpilot.state import HostBufferPool
@@ -242,8 +242,8 @@ def test_the_memory_tier_declines_an_image_over_budget_or_older_than_its_newest(
 def test_the_peers_discard_a_step_only_with_no_newer_one_held(
         peer_daemons: list[Daemon]) -> None:
     endpoints = [d.endpoint for d in revive(peer_daemons)]
-    peers = PeerTier(endpoints, run_id="discard-order", data_shards=2, probe_interval=0.2,
-                     timeout_seconds=5.0, lease_seconds=60.0)
+    peers = PeerTier(endpoints, run_id="discard-order", secret=KEY, data_shards=2,
+                     probe_interval=0.2, timeout_seconds=5.0, lease_seconds=60.0)
     with contextlib.closing(PeerCheckpointTier(peers, rank=0)) as tier:
         tier.put(image(2))
         tier.put(image(1))  # out of order: the peers now hold both

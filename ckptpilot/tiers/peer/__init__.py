@@ -1,7 +1,9 @@
 """The peer tier: checkpoint shards with XOR parity in the memory of other nodes (SPEC §6).
 
-``protocol`` (wire frames) ← ``daemon`` + ``store`` (``ckptpilot peer serve``) and
-``placement`` + ``parity`` ← ``client`` (:class:`PeerTier`, what the pilot uses).
+``protocol`` (wire frames) + ``auth`` (the job's secret, every frame's HMAC) ← ``calls``
+(requests over authenticated connections); ``daemon`` + ``admission`` + ``store``
+(``ckptpilot peer serve``, its CLI in ``command``) and ``placement`` + ``parity`` ←
+``client`` (:class:`PeerTier`, what the pilot uses).
 """
 
 from ckptpilot.tiers.peer.client import (

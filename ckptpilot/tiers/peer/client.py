@@ -36,7 +36,12 @@ Images: :class:`PeerCheckpointTier` is one rank's view of a :class:`PeerTier` as
 it is, with the meta of ``format.image`` (:class:`~ckptpilot.format.image.ImageMeta`).
 
 Integrity and speed: every shard is checked against its XXH3-128 digest wherever it lands
-(what that guarantees: ``digest``). A put sends every shard in parallel straight from the
+(what that guarantees: ``digest``), and every frame is authenticated with the job's secret
+(``auth``). Against a peer that lies (its secret leaked, or it is compromised), a put's
+:attr:`PeerPutResult.stripe` is the digests this client computed as it sent; the caller
+keeps their :func:`stripe_record` (the pilot: in its metadata row) and a fetch proves the
+image against it (``PeerCheckpointTier.get(step, expect=...)``), never against a digest
+the peers send. A put sends every shard in parallel straight from the
 image's memory, digesting each chunk as it goes (the parity XORed a chunk at a time into
 one reused buffer); a fetch receives every shard in parallel (one request per peer)
 straight into its place in one fresh image, digesting each piece as it lands, and fetches
@@ -54,6 +59,7 @@ Every request, probes included, goes over the tier's persistent connections
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -69,6 +75,8 @@ import torch
 from ckptpilot.errors import IntegrityError, NoCheckpointError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.tiers.peer.auth import load_secret
+from ckptpilot.tiers.peer.calls import Connections, ReplyInto
 from ckptpilot.tiers.peer.deltas import (
     BLOCK_BYTES,
     blocks_payload,
@@ -93,11 +101,9 @@ from ckptpilot.tiers.peer.protocol import (
     XOR_DELTA,
     Body,
     Buffer,
-    Connections,
     Frame,
     Head,
     Op,
-    ReplyInto,
     parse_endpoint,
     shard_tensor,
 )
@@ -135,6 +141,8 @@ class PeerPutResult:
     delta_shards: int
     seconds: float
     encodings: tuple[str, ...] = ()
+    stripe: tuple[str, ...] = ()
+    """The digest of each shard (the parity last), computed by this client as it sent."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,10 @@ class PeerFetchResult:
     """A fetched checkpoint: ``image`` is a fresh uint8 array owned by the caller (or the
     first bytes of the array the caller passed as ``fetch(into=...)``).
     ``bytes_fetched`` counts shard bytes received (N data shards when nothing was lost; the
-    N - 1 others and the parity shard when one had to be rebuilt)."""
+    N - 1 others and the parity shard when one had to be rebuilt). ``digests`` is the
+    stripe as this client found it: each shard's digest computed here from the bytes
+    received (or rebuilt), and for a parity shard it did not need, the digest the peers
+    list (None when none lists one); compare its :func:`stripe_record` with the put's."""
 
     ckpt_id: int
     image: np.ndarray
@@ -150,6 +161,7 @@ class PeerFetchResult:
     bytes_fetched: int
     rebuilt_shard: int | None
     seconds: float
+    digests: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -254,6 +266,7 @@ class PeerTier:
         endpoints: Sequence[str],
         *,
         run_id: str,
+        secret: bytes,
         data_shards: int = 3,
         parity: bool = True,
         lease_seconds: float = 600.0,
@@ -298,7 +311,7 @@ class PeerTier:
         self._layouts: dict[int, _Layout] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._connections = Connections()
+        self._connections = Connections(key=secret)
         self.registry_view: RegistryView | None = None
         if registry is not None:
             from ckptpilot.tiers.peer.membership import RegistryView
@@ -325,8 +338,11 @@ class PeerTier:
         is_down: Callable[[str], bool] | None = None,
     ) -> PeerTier:
         """A tier configured by ``tiers.peer`` of the policy file, watching the health
-        registry at ``tiers.peer.registry`` when it is set."""
-        return cls(policy.endpoints, run_id=run_id, data_shards=policy.data_shards,
+        registry at ``tiers.peer.registry`` when it is set, with the job's secret from
+        ``CKPTPILOT_PEER_SECRET`` or ``tiers.peer.secret_file`` (created when missing)."""
+        secret = load_secret(policy.secret_file, what="tiers.peer.secret_file")
+        return cls(policy.endpoints, run_id=run_id, secret=secret,
+                   data_shards=policy.data_shards,
                    parity=policy.parity, lease_seconds=policy.lease_seconds,
                    timeout_seconds=policy.timeout_seconds,
                    probe_interval=policy.probe_interval, is_down=is_down,
@@ -421,7 +437,7 @@ class PeerTier:
         deltas = sum(1 for p in done if p.encoding != FULL)
         return PeerPutResult(ckpt_id, endpoints, sum(p.bytes_sent for p in done),
                              len(done) - deltas, deltas, time.perf_counter() - start,
-                             tuple(p.encoding for p in done))
+                             tuple(p.encoding for p in done), tuple(p.digest for p in done))
 
     def _plan_deltas(
         self, base: tuple[int, Buffer], data: Sequence[Shard], holders: dict[int, str]
@@ -728,7 +744,7 @@ class PeerTier:
                 f"checkpoint {stripe.ckpt_id} of run {self.run_id!r} cannot be recovered from "
                 f"peers: {_describe(lost)}", lost)
         expected = _agreed_stripe(list(frames.values()), stripe)
-        rebuilt = None
+        rebuilt, digest = None, None
         if lost:
             rebuilt = next(iter(lost))
             digest = places[rebuilt].rebuild_from_parity(
@@ -746,8 +762,12 @@ class PeerTier:
             log.warning("peer tier: rebuilt shard %d of checkpoint %d from parity (%s)",
                         rebuilt, stripe.ckpt_id, lost[rebuilt])
         meta = next(iter(frames.values())).meta
+        found: list[str | None] = [
+            frames[i].payload_digest if i in frames else digest if i == rebuilt
+            else expected[i] if expected is not None else None
+            for i in range(stripe.shard_count)]
         return PeerFetchResult(stripe.ckpt_id, image, meta, fetched_bytes[0], rebuilt,
-                               time.perf_counter() - start)
+                               time.perf_counter() - start, tuple(found))
 
     def _get_shard(
         self, stripe: _Stripe, index: int, place: Shard, fetched_bytes: list[int]
@@ -919,22 +939,37 @@ class PeerCheckpointTier:
         """Stripe the arena over the peers, as XOR deltas against ``base`` where they still
         hold it; committed only once every shard is stored, so a failed put leaves the
         previous image the one ``get`` returns."""
+        return self.put_stripe(image, base)[0]
+
+    def _meta(self, image: CheckpointImage) -> bytes:
         image.tensors()  # an arena that disagrees with its layout is refused before sending
-        meta = ImageMeta(step=image.step, rank=self.rank, level=image.level,
+        return ImageMeta(step=image.step, rank=self.rank, level=image.level,
                          reason=image.reason, retention_class=image.retention_class,
                          score=image.score, created_unix=time.time(), layout=image.layout,
                          state=dict(image.meta)).encode()
+
+    def put_stripe(self, image: CheckpointImage, base: CheckpointImage | None = None
+                   ) -> tuple[PutReceipt, str]:
+        """:meth:`put`, and the :func:`stripe_record` to give :meth:`get` as ``expect``."""
+        meta = self._meta(image)
         result = self.peers.put(image.step, image.arena.numpy(), meta,
                                 base=None if base is None else (base.step, base.arena.numpy()))
-        return PutReceipt(image.step, f"{self._where(image.step)}@{','.join(result.endpoints)}",
-                          result.bytes_sent, delta=result.delta_shards > 0)
+        receipt = PutReceipt(image.step, f"{self._where(image.step)}@"
+                             f"{','.join(result.endpoints)}", result.bytes_sent,
+                             delta=result.delta_shards > 0)
+        return receipt, stripe_record(meta, result.stripe)
 
-    def get(self, step: int) -> CheckpointImage:
+    def get(self, step: int, *, expect: str | None = None) -> CheckpointImage:
         """The image, every shard checked against its digest (one lost or corrupt shard is
         rebuilt from parity). A step the peers hold but never committed (a failed put) is not
         returned. Peers that cannot be reached raise :class:`PeerUnavailable`, or
         :class:`NoCheckpointError` when none that answered holds the step (with why the others
-        did not answer)."""
+        did not answer).
+
+        ``expect`` is the :func:`stripe_record` of the put, kept by the caller: then the meta
+        and every shard fetched (or rebuilt) must be the ones that put sent, whatever digests
+        the peers list, or this raises :class:`IntegrityError`. Without it, the peers' own
+        digests are all that is checked (they catch damage, not a peer that forges)."""
         where = self._where(step)
         try:
             fetched = self.peers.fetch(step)
@@ -946,6 +981,15 @@ class PeerCheckpointTier:
                 raise IntegrityError(f"{where}: step {step}", "the shard digests of its put",
                                      str(e)) from e
             raise
+        if expect is not None:
+            found = (stripe_record(fetched.meta, fetched.digests)
+                     if all(d is not None for d in fetched.digests) else "an unverifiable stripe"
+                     " (no fetched shard lists the parity's digest)")
+            if found != expect:
+                raise IntegrityError(
+                    f"{where}: step {step}: the peers' copy is not the one this trainer put "
+                    "(digest mismatch against the stripe recorded in its metadata row at save "
+                    "time: a peer returned other bytes or digests)", expect, found)
         meta = ImageMeta.decode(fetched.meta, where=where, step=step, rank=self.rank)
         arena = torch.from_numpy(fetched.image)
         if fetched.rebuilt_shard is not None:
@@ -962,6 +1006,18 @@ class PeerCheckpointTier:
 
     def close(self) -> None:
         self.peers.close()
+
+
+def stripe_record(meta: bytes, stripe: Sequence[str | None]) -> str:
+    """SHA256 over a put's meta and its stripe of shard digests: what the caller keeps to
+    prove a later fetch (a peer that alters the meta, a shard, or a digest changes it)."""
+    h = hashlib.sha256(b"ckptpilot-peer-stripe-v1\0")
+    h.update(hashlib.sha256(meta).digest())
+    for digest in stripe:
+        if digest is None:
+            raise ValueError("a stripe record needs every shard's digest")
+        h.update(bytes.fromhex(digest))
+    return h.hexdigest()
 
 
 def _either(

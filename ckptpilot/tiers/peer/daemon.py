@@ -1,10 +1,12 @@
 """The peer daemon: ``ckptpilot peer serve`` holds other nodes' shards in RAM (SPEC §6).
 
-Owns: the TCP server (one thread per connection), the meaning of each request, checking
+Owns: the TCP server (one thread per connection, bounded and evicted by ``admission``), the
+handshake and the check of every request's tag (``auth``: a request not made with the job's
+secret is refused with ERR ``unauthenticated`` before its payload is read, and the
+connection closed), the header and idle timeouts, the meaning of each request, checking
 every received shard's digest (as it arrives), folding deltas into their base in the
-background and checking the result's digest, the lease
-reaper, clean shutdown on SIGTERM, and the ``peer`` CLI commands (``serve``, and ``registry``,
-which hosts the health registry). Must not: decide placement or parity (clients do), or
+background and checking the result's digest, the lease reaper and clean shutdown (the
+``peer`` CLI commands are ``command``). Must not: decide placement or parity (clients do), or
 persist anything (a restarted daemon is empty by design). With ``--registry`` the daemon
 announces itself through ``membership.Announcer``: "up" and a heartbeat while serving,
 "draining" once SIGTERM arrives, "down" when it exits.
@@ -23,27 +25,37 @@ the array that then holds it (digested as it lands) and sent on GET straight fro
 A malformed frame (garbage, truncated, oversized, unparseable) gets an ERR reply naming the
 fault and closes that connection only, with one logged line; a request that fails on a bug
 here gets an ERR ``internal_error`` and a logged traceback. Every other client keeps being
-served. Clients keep their connections open across requests (``protocol.Connections``), and
+served. Clients keep their connections open across requests (``calls.Connections``), and
 the listen backlog is the system's maximum, so that bursts of connects from many clients
-queue instead of having their SYNs dropped (a retransmit costs a second or more).
+queue instead of having their SYNs dropped (a retransmit costs a second or more). A
+connection's handshake, and each request's prelude + header + tag, must arrive within
+``header_timeout_seconds`` of their first byte (a slow-loris client holds nothing longer);
+a connection idle for ``idle_timeout_seconds`` is closed (its client reconnects).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import select
-import signal
 import socket
 import socketserver
-import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from ckptpilot.tiers.peer.admission import Conn, ConnectionTable
+from ckptpilot.tiers.peer.auth import (
+    HOW_TO_SHARE,
+    PeerAuthError,
+    Session,
+    hello_tag,
+    hello_tag_ok,
+    new_nonce,
+)
 from ckptpilot.tiers.peer.deltas import fold_blocks
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import ProtocolError
@@ -80,6 +92,9 @@ class _Server(socketserver.ThreadingTCPServer):
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.peer_daemon.connections.admit(request, client_address)
+
 
 # A persistent client connection holds one handler thread; TCP keepalive probes find a client
 # host that vanished without closing (power loss) within ~1-2 minutes and free that thread.
@@ -105,15 +120,25 @@ class PeerDaemon:
         host: str,
         port: int,
         *,
+        key: bytes,
         mem_limit: int,
         allow_fault_injection: bool = False,
         frame_timeout_seconds: float = 30.0,
+        header_timeout_seconds: float = 10.0,
+        idle_timeout_seconds: float = 60.0,
+        max_connections: int = 128,
+        max_per_client: int = 64,
         fold_wait_seconds: float = 60.0,
         reap_interval_seconds: float = 0.2,
         fold_threads: int = 2,
     ) -> None:
         from ckptpilot.codecs import get_codec
 
+        self._key = key
+        self.connections = ConnectionTable(max_connections=max_connections,
+                                           max_per_client=max_per_client)
+        self.header_timeout_seconds = header_timeout_seconds
+        self.idle_timeout_seconds = idle_timeout_seconds
         self.store = ShardStore(mem_limit)
         self.allow_fault_injection = allow_fault_injection
         self.frame_timeout_seconds = frame_timeout_seconds
@@ -155,6 +180,7 @@ class PeerDaemon:
         """Stop accepting and let in-flight requests finish; call from another thread."""
         self._stopping.set()
         self._server.shutdown()
+        self.connections.shut_idle()
 
     def close(self) -> None:
         """Release the port and threads of a daemon that will not serve after all (a
@@ -167,25 +193,51 @@ class PeerDaemon:
 
     def serve_connection(self, sock: socket.socket, address: Any) -> None:
         """Answer frames on one connection until the client closes it, the daemon stops,
-        or a frame is malformed (then log one line and close)."""
-        who = f"{address[0]}:{address[1]}"
+        the connection is idle too long or evicted, or a frame is malformed or not made with
+        the job's secret (then log one line and close)."""
+        conn = self.connections.get(sock)
+        if conn is None:  # not admitted (a daemon used without its server's accept path)
+            return
         with self._accepted_lock:
             self._accepted += 1
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._serve(conn)
+        finally:
+            self.connections.forget(sock)
+
+    def _serve(self, conn: Conn) -> None:
+        sock, who = conn.sock, conn.who
         poller = select.poll()  # unlike select(), no limit on descriptor numbers
         poller.register(sock, select.POLLIN)
         while not self._stopping.is_set():
-            if not poller.poll(_IDLE_POLL_SECONDS * 1000):
+            if conn.session is not None and not poller.poll(_IDLE_POLL_SECONDS * 1000):
+                if time.monotonic() - conn.last_active > self.idle_timeout_seconds:
+                    log.debug("closing the connection from %s: idle for over %g s", who,
+                              self.idle_timeout_seconds)
+                    return
                 continue
-            sock.settimeout(self.frame_timeout_seconds)
             try:
-                head = read_head(sock, max_payload=self.store.mem_limit)
+                if conn.session is None:
+                    conn.session = self._handshake(conn)
+                    if conn.session is None:
+                        return
+                    continue
+                head = read_head(sock, max_payload=self.store.mem_limit,
+                                 deadline=time.monotonic() + self.header_timeout_seconds)
                 if head is None:
                     return
-                self._dispatch(sock, head)
+                conn.session.verify(head.signed, head.tag, f"the {head.op.name} request")
+                conn.busy = True
+                sock.settimeout(self.frame_timeout_seconds)
+                self._dispatch(conn, head)
+            except PeerAuthError as e:
+                log.warning("refusing %s: %s", who, e)
+                _close_after_error(sock, "unauthenticated", f"refused: {e}", conn.session)
+                return
             except ProtocolError as e:
                 log.warning("closing connection from %s: %s", who, e)
-                _close_after_error(sock, "bad_request", str(e))
+                _close_after_error(sock, "bad_request", str(e), conn.session)
                 return
             except OSError as e:
                 log.warning("closing connection from %s: %s", who, describe_failure(e))
@@ -194,10 +246,32 @@ class PeerDaemon:
                 log.exception("closing connection from %s after an internal error", who)
                 _close_after_error(sock, "internal_error",
                                    f"internal error in the peer daemon ({type(e).__name__}: "
-                                   f"{e}); see its log")
+                                   f"{e}); see its log", conn.session)
                 return
+            finally:
+                conn.busy = False
+                conn.last_active = time.monotonic()
 
-    def _dispatch(self, sock: socket.socket, head: Head) -> None:
+    def _handshake(self, conn: Conn) -> Session | None:
+        """Greet with a fresh nonce; the client's HELLO must answer it with the job's secret
+        within the header timeout. None when the client left first."""
+        nonce, key = new_nonce(), self._key
+        deadline = time.monotonic() + self.header_timeout_seconds
+        conn.sock.settimeout(self.header_timeout_seconds)
+        send_frame(conn.sock, Op.HELLO, {"nonce": nonce}, tag=lambda raw: hello_tag(key, raw))
+        head = read_head(conn.sock, max_payload=self.store.mem_limit, deadline=deadline)
+        if head is None:
+            return None
+        if head.op is not Op.HELLO:
+            raise PeerAuthError(f"{head.op.name} on a connection that is not authenticated: a "
+                                "client must first answer the daemon's HELLO with a tag made "
+                                f"with the job's peer secret; {HOW_TO_SHARE}")
+        if not hello_tag_ok(key, head.signed, head.tag, nonce):
+            raise PeerAuthError(f"the client's HELLO fails its HMAC check: that client does "
+                                f"not have this daemon's peer secret; {HOW_TO_SHARE}")
+        return Session(key, nonce, head.header["nonce"], daemon=True)
+
+    def _dispatch(self, ch: Conn, head: Head) -> None:
         handler = {
             Op.PUT: self._put, Op.DELTA: self._delta, Op.COMMIT: self._commit,
             Op.GET: self._get, Op.LIST: self._list, Op.PING: self._ping,
@@ -205,22 +279,28 @@ class PeerDaemon:
         }.get(head.op)
         if handler is None:
             raise ProtocolError(f"{head.op.name} is a reply, not a request")
+        if head.op is Op.HELLO:
+            raise ProtocolError("HELLO after the handshake")
         if head.op not in (Op.PUT, Op.DELTA) and head.payload_len:
             raise ProtocolError(f"{head.op.name} carries no payload, got {head.payload_len} "
                                 "bytes")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s", head.op.name, {k: v for k, v in head.header.items()
                                               if k != "stripe"})
-        handler(sock, head)
+        handler(ch, head)
 
     # ----------------------------------------------------------------------------- writing
 
-    def _put(self, sock: socket.socket, head: Head) -> None:
+    def _put(self, ch: Conn, head: Head) -> None:
         h = head.header
-        if not self._reserve_or_refuse(sock, head, head.payload_len):
+        if not self._reserve_or_refuse(ch, head, head.payload_len):
             return
         try:
-            frame = read_payload(sock, head)
+            frame = read_payload(ch.sock, head)
+            assert ch.session is not None and frame.trailer_digest is not None
+            ch.session.verify_trailer(head.tag, bytes.fromhex(frame.trailer_digest),
+                                      frame.trailer_tag, f"shard {h['shard_index']} of "
+                                      f"checkpoint {h['ckpt_id']}")
         except BaseException:
             self.store.unreserve(head.payload_len)
             raise
@@ -229,29 +309,29 @@ class PeerDaemon:
             f"of checkpoint {h['ckpt_id']}", "resend it")
         if problem is not None:
             self.store.unreserve(head.payload_len)
-            send_error(sock, *problem)
+            ch.error(*problem)
             return
         info = {**{f: h[f] for f in SHARD_FIELDS}, "digest": frame.payload_digest}
         entry = Entry(_key(h), info, frame.meta, frame.payload,
                       len(frame.meta) + frame.payload.size)
         self.store.add(entry, reserved=head.payload_len, lease_seconds=h["lease_seconds"])
-        send_frame(sock, Op.OK, {})
+        ch.ok({})
 
-    def _delta(self, sock: socket.socket, head: Head) -> None:
+    def _delta(self, ch: Conn, head: Head) -> None:
         h = head.header
         run, index = h["run_id"], h["shard_index"]
         base = self.store.base_of(run, h["base_id"], index)
         if base is None or base.info["shard_size"] != h["shard_size"]:
-            discard_payload(sock, head)
-            send_error(sock, "no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
-                       f"run {run!r} is not held here (with this shard size); send the full "
-                       "shard")
+            discard_payload(ch.sock, head)
+            ch.error("no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
+                     f"run {run!r} is not held here (with this shard size); send the full "
+                     "shard")
             return
         reserved = head.payload_len + h["shard_size"]
-        if not self._reserve_or_refuse(sock, head, reserved):
+        if not self._reserve_or_refuse(ch, head, reserved):
             return
         try:
-            frame = read_payload(sock, head)
+            frame = read_payload(ch.sock, head)
         except BaseException:
             self.store.unreserve(reserved)
             raise
@@ -260,18 +340,18 @@ class PeerDaemon:
             f"{h['shard_index']} of checkpoint {h['ckpt_id']}", "resend it")
         if problem is not None:
             self.store.unreserve(reserved)
-            send_error(sock, *problem)
+            ch.error(*problem)
             return
         info = {**{f: h[f] for f in SHARD_FIELDS}, "digest": h["digest"]}
         entry = Entry(_key(h), info, frame.meta, None, reserved)
         if not self.store.begin_fold(entry, base, reserved=reserved,
                                      lease_seconds=h["lease_seconds"]):
-            send_error(sock, "no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
-                       f"run {run!r} was dropped meanwhile; send the full shard")
+            ch.error("no_base", f"no base: checkpoint {h['base_id']} shard {index} of "
+                     f"run {run!r} was dropped meanwhile; send the full shard")
             return
         self._folds.submit(self._fold, entry, base, frame.payload, h["encoding"],
                            h.get("block_bytes", 0))
-        send_frame(sock, Op.OK, {"folding": True})
+        ch.ok({"folding": True})
 
     def _fold(
         self, entry: Entry, base: Entry, delta: np.ndarray, encoding: str, block_bytes: int
@@ -299,76 +379,76 @@ class PeerDaemon:
             log.warning("run %s checkpoint %d shard %d: %s", *entry.key, error)
         self.store.finish_fold(entry, data, error)
 
-    def _reserve_or_refuse(self, sock: socket.socket, head: Head, nbytes: int) -> bool:
+    def _reserve_or_refuse(self, ch: Conn, head: Head, nbytes: int) -> bool:
         h = head.header
         if self.store.reserve(nbytes, writing=(h["run_id"], h["ckpt_id"])):
             return True
-        discard_payload(sock, head)
+        discard_payload(ch.sock, head)
         used, limit = self.store.mem_used, self.store.mem_limit
         log.warning("refused %d bytes for run %s checkpoint %d: out of memory (%d of %d bytes "
                     "in use, nothing evictable)", nbytes, h["run_id"], h["ckpt_id"], used, limit)
-        send_error(sock, "out_of_memory", f"out of memory: {nbytes} bytes do not fit ({used} of "
-                   f"{limit} bytes in use, none evictable); use another peer or raise "
-                   "--mem-limit")
+        ch.error("out_of_memory", f"out of memory: {nbytes} bytes do not fit ({used} of "
+                 f"{limit} bytes in use, none evictable); use another peer or raise "
+                 "--mem-limit")
         return False
 
-    def _commit(self, sock: socket.socket, head: Head) -> None:
+    def _commit(self, ch: Conn, head: Head) -> None:
         h = head.header
         held = self.store.commit(h["run_id"], h["ckpt_id"], h["lease_seconds"], h["stripe"])
-        send_frame(sock, Op.OK, {"held": held})
+        ch.ok({"held": held})
 
     # ----------------------------------------------------------------------------- reading
 
-    def _held(self, sock: socket.socket, h: dict[str, Any]) -> tuple[Entry, np.ndarray] | None:
+    def _held(self, ch: Conn, h: dict[str, Any]) -> tuple[Entry, np.ndarray] | None:
         """The entry named by the header and its final bytes (waiting for a fold in
         progress), or None after answering ERR."""
         entry = self.store.get(_key(h))
         what = f"run {h['run_id']!r} checkpoint {h['ckpt_id']} shard {h['shard_index']}"
         if entry is None:
-            send_error(sock, "not_found", f"{what} is not held here")
+            ch.error("not_found", f"{what} is not held here")
             return None
         if not entry.ready.wait(self.fold_wait_seconds):
-            send_error(sock, "fold_failed", f"{what} is still folding after "
-                       f"{self.fold_wait_seconds:g} s")
+            ch.error("fold_failed", f"{what} is still folding after "
+                     f"{self.fold_wait_seconds:g} s")
             return None
         if entry.data is None:
-            send_error(sock, "fold_failed", f"{what}: {entry.error}")
+            ch.error("fold_failed", f"{what}: {entry.error}")
             return None
         return entry, entry.data
 
-    def _get(self, sock: socket.socket, head: Head) -> None:
-        held = self._held(sock, head.header)
+    def _get(self, ch: Conn, head: Head) -> None:
+        held = self._held(ch, head.header)
         if held is None:
             return
         entry, data = held
         reply = {"ckpt_id": entry.key[1], "shard_index": entry.key[2],
                  "meta_len": len(entry.meta), **entry.info}
-        send_frame(sock, Op.OK, reply, [entry.meta, data])
+        ch.ok(reply, [entry.meta, data])
 
-    def _list(self, sock: socket.socket, head: Head) -> None:
-        send_frame(sock, Op.OK, {"shards": self.store.listing(head.header["run_id"])})
+    def _list(self, ch: Conn, head: Head) -> None:
+        ch.ok({"shards": self.store.listing(head.header["run_id"])})
 
-    def _ping(self, sock: socket.socket, head: Head) -> None:
-        send_frame(sock, Op.OK, {"mem_used": self.store.mem_used,
-                                 "mem_limit": self.store.mem_limit,
-                                 "n_runs": self.store.n_runs})
+    def _ping(self, ch: Conn, head: Head) -> None:
+        ch.ok({"mem_used": self.store.mem_used,
+               "mem_limit": self.store.mem_limit,
+               "n_runs": self.store.n_runs})
 
-    def _renew(self, sock: socket.socket, head: Head) -> None:
+    def _renew(self, ch: Conn, head: Head) -> None:
         h = head.header
-        send_frame(sock, Op.OK, {"held": self.store.renew(h["run_id"], h["lease_seconds"])})
+        ch.ok({"held": self.store.renew(h["run_id"], h["lease_seconds"])})
 
-    def _drop(self, sock: socket.socket, head: Head) -> None:
+    def _drop(self, ch: Conn, head: Head) -> None:
         freed = self.store.drop(head.header["run_id"])
         log.info("dropped run %s on request: freed %d bytes", head.header["run_id"], freed)
-        send_frame(sock, Op.OK, {"freed": freed})
+        ch.ok({"freed": freed})
 
-    def _corrupt(self, sock: socket.socket, head: Head) -> None:
+    def _corrupt(self, ch: Conn, head: Head) -> None:
         """Fault injection (SPEC §9): flip one byte of a held shard in place."""
         if not self.allow_fault_injection:
-            send_error(sock, "refused", "fault injection is disabled on this daemon; start it "
-                       "with --allow-fault-injection")
+            ch.error("refused", "fault injection is disabled on this daemon; start it "
+                     "with --allow-fault-injection")
             return
-        held = self._held(sock, head.header)
+        held = self._held(ch, head.header)
         if held is None:
             return
         entry, data = held
@@ -379,7 +459,7 @@ class PeerDaemon:
         data[offset] ^= 0xFF
         log.warning("fault injection: flipped byte %d of run %s checkpoint %d shard %d",
                     offset, *entry.key)
-        send_frame(sock, Op.OK, {"offset": offset})
+        ch.ok({"offset": offset})
 
     # ------------------------------------------------------------------------------ leases
 
@@ -410,13 +490,15 @@ def _check_meta(h: dict[str, Any], meta: bytes) -> tuple[str, str] | None:
             "meta_digest; resend it")
 
 
-def _close_after_error(sock: socket.socket, code: str, message: str) -> None:
+def _close_after_error(
+    sock: socket.socket, code: str, message: str, session: Session | None = None
+) -> None:
     """Best effort: tell the client why, then drain briefly what it is still sending, so the
     close is a FIN the client can read the reason before, not a reset that loses it.
-    ``code`` is one of ``protocol.CLOSING_ERRORS``, after which clients drop the connection."""
+    ``code`` is one of ``calls.CLOSING_ERRORS``, after which clients drop the connection."""
     try:
         sock.settimeout(_LINGER_SECONDS)
-        send_error(sock, code, message)
+        send_error(sock, code, message, session)
         sock.shutdown(socket.SHUT_WR)
         scratch = bytearray(64 * 1024)
         for _ in range(_LINGER_MAX_BYTES // len(scratch)):
@@ -424,196 +506,3 @@ def _close_after_error(sock: socket.socket, code: str, message: str) -> None:
                 break
     except OSError:
         pass
-
-
-# -------------------------------------------------------------------------------------- CLI
-
-def _byte_size(text: str) -> int:
-    from ckptpilot.policy import parse_byte_size
-
-    try:
-        value = parse_byte_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
-    return value
-
-
-def _endpoint(text: str) -> str:
-    from ckptpilot.tiers.peer.protocol import parse_endpoint
-
-    try:
-        parse_endpoint(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _count(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def _format_endpoint(host: str, port: int) -> str:
-    """``host:port`` as clients write it (``[::1]:port`` for IPv6)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def add_peer_parser(subparsers: Any) -> None:
-    """Register ``peer serve`` and ``peer registry`` on the ``ckptpilot`` command's
-    subparsers."""
-    peer = subparsers.add_parser("peer", help="peer-memory tier daemon and health registry")
-    sub = peer.add_subparsers(dest="peer_command", metavar="command", required=True,
-                              parser_class=type(peer))
-    serve = sub.add_parser("serve", help="hold other nodes' checkpoint shards in RAM")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=_port, default=0,
-                       help="TCP port (0 = any free port; the chosen one is printed)")
-    serve.add_argument("--mem-limit", type=_byte_size, default=8 * 2**30,
-                       help="most bytes of shards to hold, e.g. 8GiB (default 8GiB)")
-    serve.add_argument("--log-level", default="INFO",
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    serve.add_argument("--allow-fault-injection", action="store_true",
-                       help="accept CORRUPT requests that damage held shards (tests only)")
-    serve.add_argument("--registry", type=_endpoint, default=None, metavar="HOST:PORT",
-                       help="health registry (`ckptpilot peer registry`) to announce this "
-                       "daemon in; needs --node")
-    serve.add_argument("--node", type=lambda t: _count(t, 0), default=None,
-                       help="this daemon's node index in the health registry (0..nodes-1)")
-    serve.add_argument("--advertise-host", default=None,
-                       help="host clients reach this daemon at, published in the registry; "
-                       "must match their tiers.peer.endpoints (default: --host)")
-    serve.add_argument("--registry-timeout-seconds", type=_seconds, default=10.0,
-                       help="how long to wait for the registry at start, and for each of its "
-                       "requests (default 10)")
-    registry = sub.add_parser("registry", help="host the health registry that peer daemons "
-                              "announce themselves in (a torch.distributed TCPStore)")
-    registry.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    registry.add_argument("--port", type=_port, default=0,
-                          help="TCP port (0 = any free port; the chosen one is printed)")
-    registry.add_argument("--nodes", type=lambda t: _count(t, 1), required=True,
-                          help="how many peer daemons (nodes 0..N-1) the registry holds")
-    registry.add_argument("--log-level", default="INFO",
-                          choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-
-
-def run_peer_command(args: argparse.Namespace) -> int:
-    """``ckptpilot peer serve`` / ``peer registry``: print the listening line, run until
-    SIGTERM/SIGINT, exit 0; bad input is one line on stderr and exit 2."""
-    logging.getLogger().setLevel(args.log_level)
-    if args.peer_command == "registry":
-        return _run_registry(args)
-    return _run_serve(args)
-
-
-def _serve_error(message: str) -> int:
-    print(f"ckptpilot peer serve: error: {message}", file=sys.stderr)
-    return 2
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from ckptpilot.tiers.peer.membership import Announcer
-    from ckptpilot.tiers.peer.protocol import parse_endpoint
-    from ckptpilot.tiers.peer.registry import RegistryError
-
-    if (args.registry is None) != (args.node is None):
-        return _serve_error("--registry and --node go together: the registry's address and "
-                            "this daemon's node index in it")
-    advertised = args.advertise_host or args.host
-    if args.registry is not None and advertised in ("0.0.0.0", "::", ""):
-        return _serve_error(f"--host {args.host!r} is no address a client can use; give "
-                            "--advertise-host (the host in the clients' tiers.peer.endpoints)")
-    try:
-        daemon = PeerDaemon(args.host, args.port, mem_limit=args.mem_limit,
-                            allow_fault_injection=args.allow_fault_injection)
-    except OSError as e:
-        return _serve_error(f"cannot listen on {args.host}:{args.port}: {describe_failure(e)}")
-    host, port = daemon.address
-    announcer = None
-    if args.registry is not None:
-        endpoint = _format_endpoint(advertised, port)
-        try:
-            parse_endpoint(endpoint)
-            announcer = Announcer(args.registry, node=args.node, endpoint=endpoint,
-                                  mem_limit_bytes=args.mem_limit,
-                                  mem_used=lambda: daemon.store.mem_used,
-                                  timeout_seconds=args.registry_timeout_seconds)
-            announcer.start()
-        except (RegistryError, ValueError) as e:
-            daemon.close()
-            return _serve_error(str(e))
-    stopped_by: list[str] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        log.info("received %s: finishing in-flight requests", name)
-        stopped_by.append(name)
-        if announcer is not None:
-            announcer.drain(f"stopping ({name})")
-        threading.Thread(target=daemon.shutdown, name="ckptpilot-peer-stop").start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    print(f"ckptpilot peer listening on {host}:{port}", flush=True)
-    log.info("peer daemon on %s:%d, mem limit %d bytes%s%s", host, port, args.mem_limit,
-             ", fault injection ON" if args.allow_fault_injection else "",
-             f", node {args.node} of the registry at {args.registry}" if announcer else "")
-    daemon.serve_forever()
-    if announcer is not None:
-        announcer.close(f"stopped ({stopped_by[0] if stopped_by else 'shut down'})")
-    log.info("peer daemon stopped")
-    return 0
-
-
-def _run_registry(args: argparse.Namespace) -> int:
-    from ckptpilot.tiers.peer.registry import host_registry
-
-    try:
-        store = host_registry(args.host, args.port, num_nodes=args.nodes)
-    except RuntimeError as e:  # RegistryError, torch.distributed.DistNetworkError
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"ckptpilot peer registry: error: cannot listen on {args.host}:{args.port}: "
-              f"{reason}", file=sys.stderr)
-        return 2
-    stopped = threading.Event()
-
-    def stop(signum: int, _frame: object) -> None:
-        log.info("received %s: stopping the health registry", signal.Signals(signum).name)
-        stopped.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    address = _format_endpoint(args.host, store.port)
-    print(f"ckptpilot peer registry listening on {address}", flush=True)
-    log.info("health registry of %d nodes on %s", args.nodes, address)
-    while not stopped.wait(1.0):
-        pass
-    del store
-    log.info("health registry stopped")
-    return 0

@@ -17,11 +17,14 @@ chance of 2**-128 of a random change going unnoticed, and named by shard and pee
 
 What it does not guarantee: XXH3 is not cryptographic, and the digests travel with the
 shards through the same daemons, so a peer that *wants* to return other bytes can forge them
-with matching digests. A SHA256 would not change that, since the reference digests come from
-the peers themselves; what proves a checkpoint against tampering is the SHA256 in the
-durable archive's self-digested manifest (``storage/archive.py``), written and later read by
-the pilot itself. XXH3 was chosen because it is an order of magnitude faster than SHA256 on
-one core, so hashing stays off the critical path of a put and a fetch.
+with matching digests. So a restore does not take the peers' digests as the reference: the
+trainer's metadata row keeps a SHA256 over the put's meta and the digests the trainer itself
+computed as it sent (``client.stripe_record``), and the restorer proves the fetched copy
+against it. That stops a peer that replaces shards and recomputes their digests; it still
+rests on XXH3-128 against crafted second preimages, which XXH3 does not promise (the durable
+archive's self-digested SHA256 manifest, ``storage/archive.py``, does). XXH3 was chosen
+because it is an order of magnitude faster than SHA256 on one core, so hashing stays off the
+critical path of a put and a fetch.
 """
 
 from __future__ import annotations

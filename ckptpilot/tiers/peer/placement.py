@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ckptpilot.errors import CkptPilotError
+from ckptpilot.tiers.peer.calls import call
 from ckptpilot.tiers.peer.errors import NotEnoughPeers
-from ckptpilot.tiers.peer.protocol import Op, call
+from ckptpilot.tiers.peer.protocol import Op
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,12 @@ def rank_peers(
     return [r.endpoint for r in sorted(usable, key=key)[:n]]
 
 
-def ping(endpoint: str, timeout_seconds: float) -> PeerStatus:
-    """PING one peer over a fresh connection (the round trip includes connecting); the peer
-    tier probes through its pooled connections instead (``Placement(probe=...)``)."""
+def ping(endpoint: str, timeout_seconds: float, *, key: bytes) -> PeerStatus:
+    """PING one peer over a fresh connection authenticated with ``key`` (the round trip
+    includes connecting); the peer tier probes through its pooled connections instead
+    (``Placement(probe=...)``)."""
     start = time.perf_counter()
-    reply = call(endpoint, Op.PING, {}, timeout_seconds=timeout_seconds)
+    reply = call(endpoint, Op.PING, {}, key=key, timeout_seconds=timeout_seconds)
     h = reply.header
     return PeerStatus(time.perf_counter() - start, int(h.get("mem_used", 0)),
                       int(h.get("mem_limit", 0)), int(h.get("n_runs", 0)))
@@ -100,7 +102,8 @@ class Placement:
 
     Lifecycle: construct, :meth:`start` (one synchronous probe round, then a daemon thread
     probing every ``probe_interval`` seconds), :meth:`choose` / :meth:`report` from any
-    thread, :meth:`close`. ``probe`` is the PING function (a seam for tests); ``clock``
+    thread, :meth:`close`. ``probe`` is the PING function (:func:`ping` with the job's key,
+    or the tier's pooled one; a seam for tests); ``clock``
     times the forgiveness of avoided peers.
     """
 
@@ -113,7 +116,7 @@ class Placement:
         is_down: Callable[[str], bool] | None = None,
         rtt_tie_seconds: float = 0.0005,
         forgive_seconds: float = 60.0,
-        probe: Callable[[str, float], PeerStatus] = ping,
+        probe: Callable[[str, float], PeerStatus],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not endpoints:

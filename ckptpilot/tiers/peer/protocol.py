@@ -1,15 +1,18 @@
 """The peer wire protocol: length-prefixed binary frames over TCP (SPEC §6).
 
-Owns: the frame layout, the op codes, the header fields each op requires, reading and
-writing frames on a socket, and request/reply calls: one-shot (:func:`call`) or over
-persistent connections (:class:`Connections`). Must not: interpret shards, carry state from
-one frame to the next (a connection is reused only after its previous reply was read in
-full), or know the daemon's or the client's policy.
+Owns: the frame layout, the op codes, the header fields each op requires, and reading and
+writing frames on a socket (requests and replies over connections are ``calls``'). Must not:
+interpret shards, carry state from one frame to the next (the tags that bind frames to their
+connection are ``auth``'s), or know the daemon's or the client's policy.
 
-A frame is a fixed little-endian prelude, a UTF-8 JSON object header and a binary payload::
+A frame is a fixed little-endian prelude, a UTF-8 JSON object header, the frame's HMAC tag
+(see ``auth``) and a binary payload::
 
     magic b"CKPP" | version u16 | op u8 | header length u32 | payload length u64
-    header (JSON object, <= 64 KiB) | payload
+    header (JSON object, <= 64 KiB) | tag (32 bytes) | payload
+
+A connection opens with the HELLO handshake of ``auth``; the reader returns each frame's tag
+and the bytes it covers (:attr:`Head.signed`) for the caller's session to check.
 
 Shard-carrying frames (PUT, DELTA and the reply to GET) put the checkpoint's meta first in
 the payload and the shard (or its encoded delta) after it; ``meta_len`` in the header says
@@ -21,7 +24,8 @@ of byte ``i // 8`` for block ``i``, unused bits zero) followed by the new bytes 
 blocks in order. Digests are XXH3-128 (see ``digest``): every
 shard-carrying header has ``meta_digest``; a PUT's payload ends with a
 :data:`TRAILER_BYTES`-byte trailer, the digest of the shard, which the sender computes as the
-shard goes out (so sending starts at once, without a pass over the shard first); a DELTA
+shard goes out (so sending starts at once, without a pass over the shard first), then that
+digest's tag (``auth``); a DELTA
 carries ``digest`` (of the new shard, checked after the fold) and ``delta_digest`` (of the
 encoded bytes) in its header; the reply to GET carries the shard's ``digest`` and, once
 committed, ``stripe``. COMMIT carries ``stripe``, the digests of all shards of the save in
@@ -44,8 +48,8 @@ are (a shard is a view of the image), and received with ``recv_into`` straight i
 destination; no payload passes through an intermediate ``bytes`` object.
 
 Long because the frame layout, the checks of every op's header, and the code that writes and
-reads frames (one-shot and over pooled connections) must agree byte for byte: one module
-keeps one definition of the format, as a reader of the protocol needs it.
+reads frames must agree byte for byte: one module keeps one definition of the format, as a
+reader of the protocol needs it.
 """
 
 from __future__ import annotations
@@ -53,10 +57,9 @@ from __future__ import annotations
 import enum
 import json
 import re
-import select
 import socket
 import struct
-import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +67,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptpilot.tiers.peer.auth import NO_TAG, TAG_BYTES, Session
 from ckptpilot.tiers.peer.digest import Hasher, is_digest
-from ckptpilot.tiers.peer.errors import PeerRequestError, ProtocolError
+from ckptpilot.tiers.peer.errors import ProtocolError
 
 MAGIC = b"CKPP"
-VERSION = 2
+VERSION = 3
 PRELUDE = struct.Struct("<4sHBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_META_BYTES = 16 * 2**20
@@ -81,11 +85,13 @@ _RECV_CHUNK = 1 << 20  # digested right after each recv or before each send, whi
 _IOV_MAX = 1024
 _MAX_INT = 2**63 - 1
 _MAX_ERROR_CHARS = 4096
+_NONCE = re.compile(r"[0-9a-f]{32}")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
 
 
 class Op(enum.IntEnum):
-    """Request and reply codes. A request gets exactly one reply: OK or ERR."""
+    """Request and reply codes. A request gets exactly one reply: OK or ERR. HELLO opens a
+    connection, once each way (``auth``)."""
 
     PUT = 1
     DELTA = 2
@@ -96,6 +102,7 @@ class Op(enum.IntEnum):
     RENEW = 7
     DROP = 8
     CORRUPT = 9
+    HELLO = 10
     OK = 100
     ERR = 101
 
@@ -113,8 +120,9 @@ MAX_BLOCK_BYTES = 64 << 20
 SHARD_KINDS = ("data", "parity")
 _META_OPS = (Op.PUT, Op.DELTA, Op.OK)
 _TRAILED_OPS = (Op.PUT,)
-TRAILER_BYTES = 16
-"""A PUT's payload ends with the binary XXH3-128 digest of its shard."""
+DIGEST_BYTES = 16
+TRAILER_BYTES = DIGEST_BYTES + TAG_BYTES
+"""A PUT's payload ends with the binary XXH3-128 digest of its shard and that digest's tag."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,9 @@ class Head:
     op: Op
     header: dict[str, Any]
     payload_len: int
+    signed: bytes = b""
+    """The prelude and header bytes as received, which ``tag`` covers."""
+    tag: bytes = NO_TAG
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,8 @@ class Frame:
     or a fresh uninitialised array, ``payload``, that the bytes fill entirely (so a shard
     starts at an aligned address); other frames have an empty ``meta``. ``payload_digest``
     is the digest of the body of a frame with ``meta_len``, computed as it arrived;
-    ``trailer_digest`` the digest a PUT's sender appended (compare the two)."""
+    ``trailer_digest`` the digest a PUT's sender appended (compare the two) and
+    ``trailer_tag`` its tag; ``head`` the frame's validated head."""
 
     op: Op
     header: dict[str, Any]
@@ -141,6 +153,8 @@ class Frame:
     meta: bytes = b""
     payload_digest: str | None = None
     trailer_digest: str | None = None
+    trailer_tag: bytes = NO_TAG
+    head: Head | None = None
 
 
 class Body:
@@ -203,6 +217,7 @@ _FIELDS: dict[Op, dict[str, Callable[[object], bool]]] = {
     Op.RENEW: {"run_id": _run_id, "lease_seconds": _positive_number},
     Op.DROP: {"run_id": _run_id},
     Op.CORRUPT: {"run_id": _run_id, "ckpt_id": _int(0), "shard_index": _int(0)},
+    Op.HELLO: {"nonce": lambda v: isinstance(v, str) and _NONCE.fullmatch(v) is not None},
     Op.OK: {},
     Op.ERR: {"error": _str, "code": _str},
 }
@@ -246,7 +261,7 @@ def _check_shard_header(op: Op, h: dict[str, Any], payload_len: int) -> None:
     if op is Op.PUT and payload_len != h["meta_len"] + h["shard_size"] + TRAILER_BYTES:
         raise ProtocolError(f"PUT payload is {payload_len} bytes, header says meta_len "
                             f"{h['meta_len']} + shard_size {h['shard_size']} + a "
-                            f"{TRAILER_BYTES}-byte digest")
+                            f"{TRAILER_BYTES}-byte digest + tag trailer")
     if op is Op.DELTA and payload_len <= h["meta_len"]:
         raise ProtocolError(f"DELTA payload of {payload_len} bytes holds no delta after "
                             f"meta_len {h['meta_len']}")
@@ -279,13 +294,17 @@ def shard_tensor(shard: np.ndarray) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ reading
 
-def recv_exactly(sock: socket.socket, view: memoryview, what: str) -> None:
-    """Fill ``view`` from the socket; :class:`ProtocolError` if the peer closes first."""
-    _recv_views(sock, [view], what, None)
+def recv_exactly(
+    sock: socket.socket, view: memoryview, what: str, deadline: float | None = None
+) -> None:
+    """Fill ``view`` from the socket; :class:`ProtocolError` if the peer closes first,
+    ``TimeoutError`` if the bytes are not all in by ``deadline`` (``time.monotonic()``)."""
+    _recv_views(sock, [view], what, None, deadline)
 
 
 def _recv_views(
-    sock: socket.socket, views: Sequence[memoryview], what: str, hasher: Hasher | None
+    sock: socket.socket, views: Sequence[memoryview], what: str, hasher: Hasher | None,
+    deadline: float | None = None,
 ) -> None:
     """Fill ``views`` in order, straight from the socket, feeding each piece to ``hasher``
     as it lands; the error for an early close counts bytes over all of them."""
@@ -294,6 +313,12 @@ def _recv_views(
         done, n_view = 0, view.nbytes
         while done < n_view:
             piece = view[done:done + _RECV_CHUNK]
+            if deadline is not None:  # a byte at a time must not stretch the wait for ever
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the {what} did not arrive in time ({got} of {size} "
+                                       "bytes)")
+                sock.settimeout(left)
             n = sock.recv_into(piece)
             if n == 0:
                 raise ProtocolError(f"truncated frame: connection closed after {got} of "
@@ -304,18 +329,24 @@ def _recv_views(
             got += n
 
 
-def read_head(sock: socket.socket, *, max_payload: int) -> Head | None:
-    """The next frame's validated prelude and header; None on a clean close between frames.
+def read_head(
+    sock: socket.socket, *, max_payload: int, deadline: float | None = None
+) -> Head | None:
+    """The next frame's validated prelude and header, and its tag (unchecked: the caller's
+    session checks it); None on a clean close between frames.
 
     ``max_payload`` is the largest payload the caller will accept; a larger declaration is
-    rejected before anything is allocated for it.
+    rejected before anything is allocated for it. With ``deadline`` (``time.monotonic()``),
+    all of it must be in by then (``TimeoutError``), however slowly the bytes trickle in.
     """
     prelude = bytearray(PRELUDE.size)
     view = memoryview(prelude)
+    if deadline is not None:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
     first = sock.recv_into(view)
     if first == 0:
         return None
-    recv_exactly(sock, view[first:], "prelude")
+    recv_exactly(sock, view[first:], "prelude", deadline)
     magic, version, op_code, header_len, payload_len = PRELUDE.unpack(prelude)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a ckptpilot "
@@ -333,13 +364,14 @@ def read_head(sock: socket.socket, *, max_payload: int) -> Head | None:
     if payload_len > max_payload:
         raise ProtocolError(f"{op.name} payload of {payload_len} bytes exceeds this side's "
                             f"limit of {max_payload} bytes")
-    raw = bytearray(header_len)
-    recv_exactly(sock, memoryview(raw), "header")
+    raw = bytearray(header_len + TAG_BYTES)
+    recv_exactly(sock, memoryview(raw), "header", deadline)
     try:
-        header = json.loads(raw.decode("utf-8")) if header_len else {}
+        header = json.loads(raw[:header_len].decode("utf-8")) if header_len else {}
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a number too long
         raise ProtocolError(f"{op.name} header is not valid UTF-8 JSON: {e}") from None
-    return Head(op, validate_header(op, header, payload_len), payload_len)
+    return Head(op, validate_header(op, header, payload_len), payload_len,
+                bytes(prelude) + bytes(raw[:header_len]), bytes(raw[header_len:]))
 
 
 def read_payload(
@@ -369,7 +401,8 @@ def read_payload(
     recv_exactly(sock, memoryview(trailer), f"{head.op.name} digest trailer")
     return Frame(head.op, head.header, payload, bytes(meta),
                  None if hasher is None else hasher.hexdigest(),
-                 bytes(trailer).hex() if trailer else None)
+                 bytes(trailer[:DIGEST_BYTES]).hex() if trailer else None,
+                 bytes(trailer[DIGEST_BYTES:]) if trailer else NO_TAG, head)
 
 
 def discard_payload(sock: socket.socket, head: Head) -> None:
@@ -400,23 +433,32 @@ def encode_head(op: Op, header: dict[str, Any], payload_len: int) -> bytes:
 
 
 def send_frame(
-    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer | Body] = ()
+    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer | Body] = (),
+    *, session: Session | None = None, tag: Callable[[bytes], bytes] | None = None,
 ) -> int:
     """Write one frame; returns the payload size. The payload is the concatenation of
     ``parts``, sent as they are (one ``sendmsg`` where the kernel takes it all). A PUT's
     parts are its meta, then its shard as buffers or :class:`Body` pieces, which are sent
-    a chunk at a time, each digested just before it goes, then the digest as the trailer."""
+    a chunk at a time, each digested just before it goes, then the digest as the trailer.
+    The frame is tagged by ``session`` (or by ``tag(prelude + header)``: a HELLO); without
+    either it carries :data:`~ckptpilot.tiers.peer.auth.NO_TAG`, which no session accepts."""
+    def head_of(payload_len: int) -> tuple[memoryview, bytes]:
+        raw = encode_head(op, header, payload_len)
+        mac = session.sign(raw) if session is not None else tag(raw) if tag else NO_TAG
+        return memoryview(raw + mac), mac
+
     if op not in _TRAILED_OPS:
         views = [_view(p) for p in parts]
         payload_len = sum(v.nbytes for v in views)
-        _send_views(sock, [memoryview(encode_head(op, header, payload_len)), *views])
+        _send_views(sock, [head_of(payload_len)[0], *views])
         return payload_len
     if not parts or isinstance(parts[0], Body):
         raise ProtocolError(f"{op.name} parts must start with the meta")
     meta, body = _view(parts[0]), parts[1:]
     body_len = sum(p.nbytes if isinstance(p, Body) else _view(p).nbytes for p in body)
     payload_len = meta.nbytes + body_len + TRAILER_BYTES
-    _send_views(sock, [memoryview(encode_head(op, header, payload_len)), meta])
+    head, mac = head_of(payload_len)
+    _send_views(sock, [head, meta])
     hasher, sent = Hasher(), 0
     for part in body:
         for piece in (part.pieces() if isinstance(part, Body) else (part,)):
@@ -429,7 +471,8 @@ def send_frame(
     if sent != body_len:  # the frame is broken: the caller's connection must be closed
         raise ProtocolError(f"{op.name} body produced {sent} bytes, announced {body_len}")
     digest = hasher.digest()
-    _send_views(sock, [memoryview(digest)])
+    trailer_tag = NO_TAG if session is None else session.trailer_tag(mac, digest)
+    _send_views(sock, [memoryview(digest + trailer_tag)])
     for part in body:
         if isinstance(part, Body):
             part.digest = digest.hex()
@@ -458,14 +501,14 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
                 sent = 0
 
 
-def send_error(sock: socket.socket, code: str, message: str) -> None:
+def send_error(
+    sock: socket.socket, code: str, message: str, session: Session | None = None
+) -> None:
     """Reply ERR; a message too long for a header (it may quote a hostile frame) is cut."""
     if len(message) > _MAX_ERROR_CHARS:
         message = message[:_MAX_ERROR_CHARS] + "... (cut)"
-    send_frame(sock, Op.ERR, {"error": message, "code": code})
+    send_frame(sock, Op.ERR, {"error": message, "code": code}, session=session)
 
-
-# ------------------------------------------------------------------------------ calling
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``"host:port"`` (IPv6 as ``"[::1]:port"``) to (host, port); ``ValueError`` if malformed."""
@@ -474,172 +517,3 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise ValueError(f"expected a peer endpoint 'host:port' with a port in 1..65535, got "
                          f"{endpoint!r}")
     return match.group(1).strip("[]"), int(match.group(2))
-
-
-RESENDABLE = frozenset({Op.PING, Op.LIST, Op.GET, Op.COMMIT, Op.RENEW, Op.DROP})
-"""Requests a daemon may receive twice with the effect of once: after a pooled connection
-turns out dead under one of them, :class:`Connections` sends it again on a fresh one. Not
-PUT or DELTA (the client places those elsewhere on failure) nor CORRUPT (twice is undone)."""
-
-CLOSING_ERRORS = frozenset({"bad_request", "internal_error"})
-"""ERR codes after which the daemon closes the connection (the stream is out of step)."""
-
-
-ReplyInto = Callable[[Head], Sequence[memoryview]]
-"""Where the body of an OK reply goes, given its validated head (raise
-:class:`ProtocolError` when the head is not what the caller asked for)."""
-
-
-def call(
-    endpoint: str,
-    op: Op,
-    header: dict[str, Any],
-    parts: Sequence[Buffer | Body] = (),
-    *,
-    timeout_seconds: float,
-    max_reply_payload: int = 0,
-    reply_into: ReplyInto | None = None,
-) -> Frame:
-    """One request on a fresh connection; returns the OK reply (its body received into
-    ``reply_into(head)`` when given).
-
-    Raises :class:`PeerRequestError` when the peer answers ERR, :class:`ProtocolError` on a
-    malformed reply, and ``OSError`` (``ConnectionRefusedError``, ``TimeoutError``...) when
-    the peer cannot be reached or stalls longer than ``timeout_seconds`` on any step.
-    """
-    with _connect(endpoint, timeout_seconds) as sock:
-        reply = _exchange(sock, op, header, parts, max_reply_payload, reply_into)
-    return _checked(endpoint, op, reply)
-
-
-class Connections:
-    """Persistent connections to peer daemons, kept per endpoint and reused by requests.
-
-    Why: a connection per request costs a handshake, and with many clients the connects
-    queue in the daemons' accept backlogs, where a dropped SYN costs a retransmit of a
-    second or more (enough to mark a healthy peer slow).
-
-    Lifecycle: construct, :meth:`call` any number of times, :meth:`close` (idempotent; a
-    call after it still works, on a connection that is closed when it returns).
-
-    Threading: :meth:`call` may run on any number of threads at once. A connection serves
-    one request at a time: a call takes an idle connection to the endpoint (or opens one)
-    and gives it back once the whole reply is read, so concurrent calls to one endpoint use
-    several; at most ``max_idle_per_endpoint`` are kept idle. A connection that failed in any
-    way is closed, never reused. An idle connection the daemon closed (it restarted or shut
-    down) is noticed before it is used; one that dies while the request is on its way fails
-    the request, which is then sent once more on a fresh connection if it is
-    :data:`RESENDABLE`.
-    """
-
-    def __init__(self, *, max_idle_per_endpoint: int = 4) -> None:
-        if max_idle_per_endpoint < 1:
-            raise ValueError(f"max_idle_per_endpoint must be >= 1, got {max_idle_per_endpoint}")
-        self.max_idle_per_endpoint = max_idle_per_endpoint
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def call(
-        self,
-        endpoint: str,
-        op: Op,
-        header: dict[str, Any],
-        parts: Sequence[Buffer | Body] = (),
-        *,
-        timeout_seconds: float,
-        max_reply_payload: int = 0,
-        reply_into: ReplyInto | None = None,
-    ) -> Frame:
-        """:func:`call` on a pooled connection (same arguments, results and errors)."""
-        sock, reused = self._take(endpoint, timeout_seconds)
-        while True:
-            resend = reused and op in RESENDABLE
-            try:
-                reply = _exchange(sock, op, header, parts, max_reply_payload, reply_into)
-            except ConnectionError:  # reset or broken pipe: the daemon dropped the connection
-                if not resend:
-                    sock.close()
-                    raise
-                reply = None
-            except BaseException:
-                sock.close()
-                raise
-            if reply is not None or not resend:
-                break
-            sock.close()  # a reused connection died under the request: once more, afresh
-            sock, reused = _connect(endpoint, timeout_seconds), False
-        if reply is not None and (reply.op is Op.OK or (
-                reply.op is Op.ERR and reply.header["code"] not in CLOSING_ERRORS)):
-            self._give_back(endpoint, sock)
-        else:
-            sock.close()
-        return _checked(endpoint, op, reply)
-
-    def close(self) -> None:
-        """Close the idle connections; connections in use close when their call returns."""
-        with self._lock:
-            self._closed = True
-            idle = [sock for socks in self._idle.values() for sock in socks]
-            self._idle.clear()
-        for sock in idle:
-            sock.close()
-
-    def _take(self, endpoint: str, timeout_seconds: float) -> tuple[socket.socket, bool]:
-        """An idle connection to ``endpoint`` that is still open (True), or a new one."""
-        while True:
-            with self._lock:
-                idle = self._idle.get(endpoint)
-                sock = idle.pop() if idle else None
-            if sock is None:
-                return _connect(endpoint, timeout_seconds), False
-            if _still_open(sock):
-                sock.settimeout(timeout_seconds)
-                return sock, True
-            sock.close()
-
-    def _give_back(self, endpoint: str, sock: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(endpoint, [])
-            if not self._closed and len(idle) < self.max_idle_per_endpoint:
-                idle.append(sock)
-                return
-        sock.close()
-
-
-def _connect(endpoint: str, timeout_seconds: float) -> socket.socket:
-    sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout_seconds)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _still_open(sock: socket.socket) -> bool:
-    """Whether an idle connection can carry a request: the daemon sends nothing unasked, so
-    anything to read on it (its close, a reset) means it is dead."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return not poller.poll(0)
-
-
-def _exchange(
-    sock: socket.socket, op: Op, header: dict[str, Any], parts: Sequence[Buffer | Body],
-    max_reply_payload: int, reply_into: ReplyInto | None,
-) -> Frame | None:
-    """Send one request and read its reply; None if the peer closed without replying."""
-    send_frame(sock, op, header, parts)
-    head = read_head(sock, max_payload=max_reply_payload)
-    if head is None:
-        return None
-    into = reply_into(head) if reply_into is not None and head.op is Op.OK else None
-    return read_payload(sock, head, into)
-
-
-def _checked(endpoint: str, op: Op, reply: Frame | None) -> Frame:
-    """The OK reply, or the error the reply (or its absence) stands for."""
-    if reply is None:
-        raise ProtocolError(f"{endpoint} closed the connection without replying to {op.name}")
-    if reply.op is Op.ERR:
-        raise PeerRequestError(endpoint, reply.header["code"], reply.header["error"])
-    if reply.op is not Op.OK:
-        raise ProtocolError(f"{endpoint} replied to {op.name} with {reply.op.name}, not OK/ERR")
-    return reply
