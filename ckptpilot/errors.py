@@ -58,3 +58,9 @@ class RollbackLimitError(CkptPilotError, RuntimeError):
 
 class RunDirBusyError(CkptPilotError, RuntimeError):
     """Another live pilot holds this rank's lease on the run directory."""
+
+
+class RemoteIOError(CkptPilotError, OSError):
+    """The remote tier could not be reached for one operation after its retries
+    (``tiers.remote.retries``); names the URL and the last cause. An ``OSError``: a restore
+    skips that copy (an I/O error never marks a checkpoint corrupted) and a save fails."""

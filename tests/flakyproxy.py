@@ -20,6 +20,7 @@ open until the client gives up).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -96,7 +97,7 @@ def _serve(client: socket.socket, upstream_port: int, rules: Path) -> None:
             client.close()
             return
         head, rest = data.split(b"\r\n\r\n", 1)
-        method, target = (head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""])[:2]
+        method, target = [*head.split(b"\r\n", 1)[0].decode("latin-1").split(" "), "", ""][:2]
         rule = _judge(rules, method, target)
         if rule is not None and rule["action"] == "reset":
             _reset(client)
@@ -124,10 +125,8 @@ def _serve(client: socket.socket, upstream_port: int, rules: Path) -> None:
 
 
 def _forward_body(client: socket.socket, upstream: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         _pump(client, upstream)
-    except OSError:
-        pass
 
 
 def main() -> None:
