@@ -10,6 +10,7 @@ the logs nor the metadata store.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -249,3 +250,97 @@ def _write(tmp_path: Path, data: dict[str, object]) -> Path:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+# --- a network that fails: tests/flakyproxy.py between the pilot and the server (issue 28) ---
+
+PROXY = Path(__file__).with_name("flakyproxy.py")
+FAST_RETRIES = {"attempts": 4, "backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
+
+
+class _Proxy:
+    def __init__(self, tmp_path: Path, upstream: str) -> None:
+        self.port = _free_port()
+        self.rules = tmp_path / "rules.json"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "proxy.log"
+        self._out = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROXY), str(self.port), upstream.rsplit(":", 1)[1],
+             str(self.rules)], stdout=self._out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60  # a safety net: it listens at once
+        while b"ready" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"flaky proxy did not start: {self.log.read_text()}")
+            time.sleep(0.05)
+
+    def set_rules(self, rules: list[dict[str, object]]) -> None:
+        tmp = self.rules.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rules))
+        os.replace(tmp, self.rules)  # the proxy re-reads it for every request
+
+    def faults(self) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if line != "ready"]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._out.close()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, s3_endpoint: str) -> Iterator[_Proxy]:
+    p = _Proxy(tmp_path, s3_endpoint)
+    try:
+        yield p
+    finally:
+        if p.proc.poll() is None:
+            p.kill()
+
+
+def _flaky_policy(tmp_path: Path, endpoint: str, bucket: str, **options: object) -> Policy:
+    """The s3 policy through ``endpoint`` with tiny back-off; ``options`` are added to the
+    storage options (here: s3fs and botocore told not to retry, so that the resets reach
+    ckptpilot's own retries and its log)."""
+    cfg = _policy_file(tmp_path, endpoint, bucket)
+    data = yaml.safe_load(cfg.read_text())
+    data["tiers"]["remote"]["retries"] = FAST_RETRIES
+    data["tiers"]["remote"]["storage_options"].update(options)
+    cfg.write_text(yaml.safe_dump(data))
+    return load_policy(cfg, run_dir=tmp_path / "run")
+
+
+NO_LIBRARY_RETRIES = {"retries": 1, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+
+
+def _saved(policy: Policy, steps: int) -> torch.nn.Module:
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as pilot:
+        _train(pilot, model, opt, steps)
+    return model
+
+
+def test_s3_connection_reset_during_restore_is_retried_and_succeeds(
+        tmp_path: Path, s3_endpoint: str, bucket: str, proxy: _Proxy,
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = _flaky_policy(tmp_path, proxy.url, bucket, **NO_LIBRARY_RETRIES)
+    model = _saved(policy, 6)
+    newest = archive.checkpoint_name(6, 0)
+    # The next 3 requests for the newest checkpoint's objects: connection reset.
+    proxy.set_rules([{"method": "GET", "path": f"/{newest}/", "action": "reset", "times": 3}])
+    caplog.set_level(logging.WARNING)
+    fresh, fresh_opt = _model()
+    torch.nn.init.zeros_(fresh[0].weight)
+    with CheckpointPilot(policy, model=fresh, optimizer=fresh_opt) as again:
+        assert again.restore() == 6
+        again.close(save=False)
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert len([f for f in proxy.faults() if f.startswith("reset GET")]) == 3
+    # One log line a retry (aiohttp itself may repeat a request on a dropped keep-alive
+    # connection, so a reset is not always one retry of ours).
+    retries = [r.getMessage() for r in caplog.records if "; retry " in r.getMessage()]
+    assert retries, caplog.text
+    assert retries[0].startswith(f"read s3://{bucket}/runs/exp1/{newest}/")
+    assert "retry 1 of 3 in 0.01s" in retries[0]
+    assert "skipping checkpoint" not in caplog.text

@@ -70,10 +70,10 @@ class RemoteTier:
                  retries: Retries | None = None) -> None:
         self.url = str(url)
         retries = retries or NO_RETRIES
-        options = fs_options(self.url, storage_options, retries)
+        options, library_retries = fs_options(self.url, storage_options, retries)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
-        if "retries" in options and hasattr(self.fs, "retries"):
-            self.fs.retries = int(options["retries"])  # s3fs: an attribute, not an argument
+        if library_retries is not None:
+            self.fs.retries = library_retries
         # The root is created by the first save (``new_staging``), not here: reading a run
         # (``ls``, a restore, a dry run) must change nothing, and a mistyped URL must not
         # appear as an empty tier.
@@ -88,7 +88,10 @@ class RemoteTier:
         self.retries = NO_RETRIES if self.is_local else retries
 
     def _retry(self, what: str, relpath: str, fn: Any, *args: Any) -> Any:
-        return retrying(self.retries, f"{what} {self.path(relpath)}", fn, *args)
+        if self.retries is NO_RETRIES:
+            return fn(*args)
+        return retrying(self.retries, f"{what} {self.fs.unstrip_protocol(self.path(relpath))}",
+                        fn, *args)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])

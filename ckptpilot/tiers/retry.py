@@ -107,14 +107,19 @@ def retrying(retries: Retries, what: str, fn: Callable[..., T], *args: Any) -> T
 
 
 def fs_options(url: str, storage_options: Mapping[str, Any] | None,
-               retries: Retries) -> dict[str, Any]:
-    """The fsspec options for ``url``: the user's, plus, for S3, ``retries.attempts`` as
-    s3fs's ``retries`` and botocore's ``max_attempts`` (standard mode) where they set none."""
+               retries: Retries) -> tuple[dict[str, Any], int | None]:
+    """The fsspec options for ``url`` and, for S3, the attempts of s3fs (its ``retries``
+    attribute: s3fs takes no such argument): the user's ``retries`` and botocore
+    ``config_kwargs.retries`` where they set them, else ``retries.attempts`` (botocore in its
+    standard mode; ``total_max_attempts`` counts the first try, as ``attempts`` does)."""
     options = dict(storage_options or {})
-    if retries is NO_RETRIES or not url.startswith(("s3://", "s3a://")):
-        return options
-    options.setdefault("retries", int(retries.attempts))
+    if not url.startswith(("s3://", "s3a://")):
+        return options, None
+    library = options.pop("retries", None)
+    if retries is NO_RETRIES:
+        return options, None if library is None else int(library)
     config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", {"max_attempts": int(retries.attempts), "mode": "standard"})
+    config.setdefault("retries", {"total_max_attempts": int(retries.attempts),
+                                  "mode": "standard"})
     options["config_kwargs"] = config
-    return options
+    return options, int(retries.attempts if library is None else library)
