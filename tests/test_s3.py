@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from ckptpilot import CheckpointPilot, Policy, PolicyError, load_policy, runops
+from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.storage import archive
 from ckptpilot.tiers.remote import RemoteTier
 
@@ -344,3 +345,96 @@ def test_s3_connection_reset_during_restore_is_retried_and_succeeds(
     assert retries[0].startswith(f"read s3://{bucket}/runs/exp1/{newest}/")
     assert "retry 1 of 3 in 0.01s" in retries[0]
     assert "skipping checkpoint" not in caplog.text
+
+
+def test_s3_down_during_restore_walks_back_or_names_the_url(
+        tmp_path: Path, s3_endpoint: str, bucket: str, proxy: _Proxy,
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = _flaky_policy(tmp_path, proxy.url, bucket, **NO_LIBRARY_RETRIES)
+    _saved(policy, 6)
+    newest = archive.checkpoint_name(6, 0)
+    # Every connection for the newest checkpoint's objects is reset: after its retries the
+    # restore skips it with the URL and the cause and walks back to step 3.
+    proxy.set_rules([{"method": "GET", "path": f"/{newest}/", "action": "reset"}])
+    caplog.set_level(logging.WARNING)
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as pilot:
+        assert pilot.restore() == 3
+        assert pilot.last_recovery is not None
+        skipped = {s.location: s.reason for s in pilot.last_recovery.skipped}
+        pilot.close(save=False)
+    reason = skipped[f"{bucket}/runs/exp1/{newest}"]
+    assert reason.startswith(f"cannot read s3://{bucket}/runs/exp1/{newest}/")
+    assert "after 4 attempt(s) (tiers.remote.retries)" in reason
+    assert "EndpointConnectionError" in reason or "ConnectionResetError" in reason, reason
+    # An I/O error condemns nothing (the restore to step 3 retires step 6 as ``expired``:
+    # the run goes on from 3).
+    rows = _rows(policy)
+    assert rows[3] == "valid" and rows[6] != "corrupted", rows
+
+    # The server gone altogether: one ckptpilot error naming the URL and the cause.
+    proxy.kill()
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as pilot:
+        with pytest.raises(CkptPilotError) as raised:
+            pilot.restore()
+        pilot.close(save=False)
+    text = str(raised.value)
+    assert f"cannot list s3://{bucket}/runs/exp1" in text, text
+    assert "after 4 attempt(s)" in text and "EndpointConnectionError" in text, text
+    assert not isinstance(raised.value, BrokenPipeError)
+    assert _rows(policy) == rows
+
+
+def test_s3_killed_mid_upload_reports_checkpoint_write_error_and_publishes_nothing(
+        tmp_path: Path, s3_endpoint: str, bucket: str, proxy: _Proxy) -> None:
+    policy = _flaky_policy(tmp_path, proxy.url, bucket, **NO_LIBRARY_RETRIES)
+    unfinished = archive.checkpoint_name(6, 0)
+    # The data of step 6 goes up, then the server is gone for its manifest (the commit).
+    proxy.set_rules([{"method": "PUT", "path": f"/{unfinished}/{archive.MANIFEST_FILE}",
+                      "action": "reset"}])
+    model, opt = _model()
+    pilot = CheckpointPilot(policy, model=model, optimizer=opt)
+    with pytest.raises(CheckpointWriteError) as raised:
+        for _ in range(3):
+            _train(pilot, model, opt, 3)
+            pilot.flush()
+    text = str(raised.value)
+    assert "of step 6" in text, text
+    assert f"cannot write s3://{bucket}/runs/exp1/{unfinished}/{archive.MANIFEST_FILE}" in text
+    assert "after 4 attempt(s)" in text, text
+    pilot.close(save=False)
+    # Each of our 4 attempts reached the proxy (aiohttp may add one on a kept-alive socket).
+    assert len([f for f in proxy.faults() if f.startswith("reset PUT")]) >= 4
+
+    proxy.set_rules([])
+    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
+    assert remote.exists(f"{unfinished}/{archive.STATE_FILE}")  # the data reached S3 …
+    listing = archive.list_archives(remote, 0)
+    assert [s for s, _ in listing.published] == [3]  # … but nothing half-written is published
+    assert unfinished in listing.staging
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as again:
+        assert again.restore() == 3
+        assert not remote.exists(unfinished)  # the restore removed the debris
+        again.close(save=False)
+
+
+def test_s3_retry_settings_reach_s3fs_and_botocore(tmp_path: Path, s3_endpoint: str,
+                                                   bucket: str) -> None:
+    policy = _flaky_policy(tmp_path, s3_endpoint, bucket)
+    assert policy.tiers.remote.retries.attempts == 4
+    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options,
+                        retries=policy.tiers.remote.retries)
+    assert isinstance(remote.fs, s3fs.S3FileSystem)
+    assert remote.fs.retries == 4
+    remote.list()  # connects: the botocore client exists from here on
+    assert remote.fs.s3.meta.config.retries == {"total_max_attempts": 4, "mode": "standard"}
+
+    # What the user's storage_options say wins.
+    mine = _flaky_policy(tmp_path, s3_endpoint, bucket, **NO_LIBRARY_RETRIES)
+    remote = RemoteTier(mine.tiers.remote.url, mine.tiers.remote.storage_options,
+                        retries=mine.tiers.remote.retries)
+    remote.list()
+    assert remote.fs.retries == 1
+    assert remote.fs.s3.meta.config.retries["total_max_attempts"] == 1

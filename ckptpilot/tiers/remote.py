@@ -43,7 +43,7 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from ckptpilot.errors import IntegrityError, RemoteIOError
+from ckptpilot.errors import IntegrityError
 from ckptpilot.format.digest import (
     ChunkDigest,
     check_chunk,
@@ -51,7 +51,15 @@ from ckptpilot.format.digest import (
     hash_pool,
     is_chunked,
 )
-from ckptpilot.tiers.retry import NO_RETRIES, Retries, fs_options, retrying, transient
+from ckptpilot.tiers.retry import (
+    NO_RETRIES,
+    Retries,
+    fs_options,
+    gave_up,
+    inside_retry,
+    retrying,
+    transient,
+)
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +177,12 @@ class RemoteTier:
                 with self.fs.open(target, "wb") as f:
                     out = HashingWriter(f, digest=digest, chunked=chunked)
                     yield out
-            except RemoteIOError:
-                raise
             except Exception as e:
-                if not transient(e):
+                # A producer's stream cannot be replayed: one attempt (s3fs still retries
+                # each part's request).
+                if inside_retry() or not transient(e):
                     raise
-                raise RemoteIOError(f"cannot write {target}: {type(e).__name__}: {e}") from e
+                raise gave_up(f"write {self.fs.unstrip_protocol(target)}", 1, e) from e
 
     def publish(self, staging: str, final: str) -> None:
         """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost.

@@ -77,10 +77,21 @@ def transient(error: BaseException) -> bool:
     return isinstance(error, _network_errors())
 
 
+def inside_retry() -> bool:
+    """Whether this thread runs inside ``retrying`` (which turns errors into
+    ``RemoteIOError`` itself, after its attempts)."""
+    return bool(getattr(_inside, "depth", 0))
+
+
+def gave_up(what: str, attempts: int, error: BaseException) -> RemoteIOError:
+    return RemoteIOError(f"cannot {what} after {attempts} attempt(s) (tiers.remote.retries): "
+                         f"{type(error).__name__}: {error}")
+
+
 def retrying(retries: Retries, what: str, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``, tried up to ``retries.attempts`` times while it fails transiently; then
     ``RemoteIOError`` naming ``what`` (the operation and its URL) and the last cause."""
-    if getattr(_inside, "depth", 0):
+    if inside_retry():
         return fn(*args)
     attempts = max(1, int(retries.attempts))
     wait = float(retries.backoff_seconds)
@@ -94,9 +105,7 @@ def retrying(retries: Retries, what: str, fn: Callable[..., T], *args: Any) -> T
                     raise
                 cause = f"{type(e).__name__}: {e}"
                 if attempt == attempts:
-                    raise RemoteIOError(
-                        f"cannot {what} after {attempts} attempt(s) "
-                        f"(tiers.remote.retries): {cause}") from e
+                    raise gave_up(what, attempts, e) from e
                 log.warning("%s failed (%s); retry %d of %d in %.2fs", what, cause, attempt,
                             attempts - 1, wait)
                 time.sleep(wait)
