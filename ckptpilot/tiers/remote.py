@@ -227,8 +227,10 @@ class RemoteTier:
         if self.is_local:
             return bool(self.fs.exists(self.path(relpath)))
         # fsspec's ``exists`` answers False to any error: a server that is down would read as
-        # a checkpoint that is gone. ``info`` tells the two apart.
+        # a checkpoint that is gone. ``info`` tells the two apart; asked of the store, not of
+        # the listing cache (another process may have written or removed it since).
         def probe() -> bool:
+            self.fs.invalidate_cache(self.path(relpath))
             try:
                 self.fs.info(self.path(relpath))
             except FileNotFoundError:
