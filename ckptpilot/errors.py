@@ -75,3 +75,9 @@ class RemovalRefusedError(CkptPilotError, PermissionError):
     """A deletion was refused before anything was touched: its target is not a checkpoint of
     the tier (``tiers.entries`` has the rule). An ``OSError``, so that a caller that goes on
     past a failed removal (a prune, the debris of a killed writer) goes on past this one."""
+
+
+class RemoteIOError(CkptPilotError, OSError):
+    """The remote tier could not be reached for one operation after its retries
+    (``tiers.remote.retries``); names the URL and the last cause. An ``OSError``: a restore
+    skips that copy (an I/O error never marks a checkpoint corrupted) and a save fails."""

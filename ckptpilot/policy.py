@@ -630,6 +630,18 @@ class PeerTierPolicy(_Section):
         return self
 
 
+class RemoteRetriesPolicy(_Section):
+    """How often one object-store operation (a read, a listing, one object's write) is tried
+    before the tier gives up on it: a reset connection or a restarting server is normal
+    weather there, not a lost checkpoint. The wait doubles from ``backoff_seconds`` up to
+    ``max_backoff_seconds``; ``attempts`` also goes to s3fs and botocore (S3 URLs) unless
+    ``storage_options`` set their own."""
+
+    attempts: int = Field(4, ge=1, le=100)
+    backoff_seconds: float = Field(0.5, ge=0, le=_MAX_SECONDS)
+    max_backoff_seconds: float = Field(8.0, ge=0, le=_MAX_SECONDS)
+
+
 class RemoteTierPolicy(_Section):
     """Remote persistent tier: an fsspec URL or a local path."""
 
@@ -640,6 +652,7 @@ class RemoteTierPolicy(_Section):
     # Passed to fsspec as they are (endpoint_url, key/secret, profile, client_kwargs …).
     # Secrets: left out of repr; never logged, never written to the metadata store.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    retries: RemoteRetriesPolicy = Field(default_factory=RemoteRetriesPolicy)
 
 
 class TiersPolicy(_Section):

@@ -90,7 +90,8 @@ class Run:
         self.run_id = read_run_id(self.dir) or self.dir.name
         self.other_run_ids: dict[str, int] = {}
         self.db_path = metadata_path(self.dir)
-        self.remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
+        self.remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options,
+                                 retries=policy.tiers.remote.retries)
 
     def store(self, *, read_only: bool = False) -> MetadataStore:
         if not os.path.lexists(self.db_path):

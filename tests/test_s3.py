@@ -10,6 +10,7 @@ the logs nor the metadata store.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ import torch
 import yaml
 
 from ckptpilot import CheckpointPilot, Policy, PolicyError, load_policy, runops
+from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.storage import archive
 from ckptpilot.tiers.remote import RemoteTier
 
@@ -249,3 +251,190 @@ def _write(tmp_path: Path, data: dict[str, object]) -> Path:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+# --- a network that fails: tests/flakyproxy.py between the pilot and the server (issue 28) ---
+
+PROXY = Path(__file__).with_name("flakyproxy.py")
+FAST_RETRIES = {"attempts": 4, "backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
+
+
+class _Proxy:
+    def __init__(self, tmp_path: Path, upstream: str) -> None:
+        self.port = _free_port()
+        self.rules = tmp_path / "rules.json"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "proxy.log"
+        self._out = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROXY), str(self.port), upstream.rsplit(":", 1)[1],
+             str(self.rules)], stdout=self._out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60  # a safety net: it listens at once
+        while b"ready" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"flaky proxy did not start: {self.log.read_text()}")
+            time.sleep(0.05)
+
+    def set_rules(self, rules: list[dict[str, object]]) -> None:
+        tmp = self.rules.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rules))
+        os.replace(tmp, self.rules)  # the proxy re-reads it for every request
+
+    def faults(self) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if line != "ready"]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._out.close()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, s3_endpoint: str) -> Iterator[_Proxy]:
+    p = _Proxy(tmp_path, s3_endpoint)
+    try:
+        yield p
+    finally:
+        if p.proc.poll() is None:
+            p.kill()
+
+
+def _flaky_policy(tmp_path: Path, endpoint: str, bucket: str, **options: object) -> Policy:
+    """The s3 policy through ``endpoint`` with tiny back-off; ``options`` are added to the
+    storage options (here: s3fs and botocore told not to retry, so that the resets reach
+    ckptpilot's own retries and its log)."""
+    cfg = _policy_file(tmp_path, endpoint, bucket)
+    data = yaml.safe_load(cfg.read_text())
+    data["tiers"]["remote"]["retries"] = FAST_RETRIES
+    data["tiers"]["remote"]["storage_options"].update(options)
+    cfg.write_text(yaml.safe_dump(data))
+    return load_policy(cfg, run_dir=tmp_path / "run")
+
+
+NO_LIBRARY_RETRIES = {"retries": 1, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+
+
+def _saved(policy: Policy, steps: int) -> torch.nn.Module:
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as pilot:
+        _train(pilot, model, opt, steps)
+    return model
+
+
+def test_s3_connection_reset_during_restore_is_retried_and_succeeds(
+        tmp_path: Path, s3_endpoint: str, bucket: str, proxy: _Proxy,
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = _flaky_policy(tmp_path, proxy.url, bucket, **NO_LIBRARY_RETRIES)
+    model = _saved(policy, 6)
+    newest = archive.checkpoint_name(6, 0)
+    # The next 3 requests for the newest checkpoint's objects: connection reset.
+    proxy.set_rules([{"method": "GET", "path": f"/{newest}/", "action": "reset", "times": 3}])
+    caplog.set_level(logging.WARNING)
+    fresh, fresh_opt = _model()
+    torch.nn.init.zeros_(fresh[0].weight)
+    with CheckpointPilot(policy, model=fresh, optimizer=fresh_opt) as again:
+        assert again.restore() == 6
+        again.close(save=False)
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert len([f for f in proxy.faults() if f.startswith("reset GET")]) == 3
+    # One log line a retry (aiohttp itself may repeat a request on a dropped keep-alive
+    # connection, so a reset is not always one retry of ours).
+    retries = [r.getMessage() for r in caplog.records if "; retry " in r.getMessage()]
+    assert retries, caplog.text
+    assert retries[0].startswith(f"read s3://{bucket}/runs/exp1/{newest}/")
+    assert "retry 1 of 3 in 0.01s" in retries[0]
+    assert "skipping checkpoint" not in caplog.text
+
+
+def test_s3_down_during_restore_walks_back_or_names_the_url(
+        tmp_path: Path, s3_endpoint: str, bucket: str, proxy: _Proxy,
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = _flaky_policy(tmp_path, proxy.url, bucket, **NO_LIBRARY_RETRIES)
+    _saved(policy, 6)
+    newest = archive.checkpoint_name(6, 0)
+    # Every connection for the newest checkpoint's objects is reset: after its retries the
+    # restore skips it with the URL and the cause and walks back to step 3.
+    proxy.set_rules([{"method": "GET", "path": f"/{newest}/", "action": "reset"}])
+    caplog.set_level(logging.WARNING)
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as pilot:
+        assert pilot.restore() == 3
+        assert pilot.last_recovery is not None
+        skipped = {s.location: s.reason for s in pilot.last_recovery.skipped}
+        pilot.close(save=False)
+    reason = skipped[f"{bucket}/runs/exp1/{newest}"]
+    assert reason.startswith(f"cannot read s3://{bucket}/runs/exp1/{newest}/")
+    assert "after 4 attempt(s) (tiers.remote.retries)" in reason
+    assert "EndpointConnectionError" in reason or "ConnectionResetError" in reason, reason
+    # An I/O error condemns nothing (the restore to step 3 retires step 6 as ``expired``:
+    # the run goes on from 3).
+    rows = _rows(policy)
+    assert rows[3] == "valid" and rows[6] != "corrupted", rows
+
+    # The server gone altogether: one ckptpilot error naming the URL and the cause.
+    proxy.kill()
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as pilot:
+        with pytest.raises(CkptPilotError) as raised:
+            pilot.restore()
+        pilot.close(save=False)
+    text = str(raised.value)
+    assert f"cannot list s3://{bucket}/runs/exp1" in text, text
+    assert "after 4 attempt(s)" in text and "EndpointConnectionError" in text, text
+    assert not isinstance(raised.value, BrokenPipeError)
+    assert _rows(policy) == rows
+
+
+def test_s3_killed_mid_upload_reports_checkpoint_write_error_and_publishes_nothing(
+        tmp_path: Path, s3_endpoint: str, bucket: str, proxy: _Proxy) -> None:
+    policy = _flaky_policy(tmp_path, proxy.url, bucket, **NO_LIBRARY_RETRIES)
+    unfinished = archive.checkpoint_name(6, 0)
+    # The data of step 6 goes up, then the server is gone for its manifest (the commit).
+    proxy.set_rules([{"method": "PUT", "path": f"/{unfinished}/{archive.MANIFEST_FILE}",
+                      "action": "reset"}])
+    model, opt = _model()
+    pilot = CheckpointPilot(policy, model=model, optimizer=opt)
+    with pytest.raises(CheckpointWriteError) as raised:
+        for _ in range(3):
+            _train(pilot, model, opt, 3)
+            pilot.flush()
+    text = str(raised.value)
+    assert "of step 6" in text, text
+    assert f"cannot write s3://{bucket}/runs/exp1/{unfinished}/{archive.MANIFEST_FILE}" in text
+    assert "after 4 attempt(s)" in text, text
+    pilot.close(save=False)
+    # Each of our 4 attempts reached the proxy (aiohttp may add one on a kept-alive socket).
+    assert len([f for f in proxy.faults() if f.startswith("reset PUT")]) >= 4
+
+    proxy.set_rules([])
+    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
+    assert remote.exists(f"{unfinished}/{archive.STATE_FILE}")  # the data reached S3 …
+    listing = archive.list_archives(remote, 0)
+    assert [s for s, _ in listing.published] == [3]  # … but nothing half-written is published
+    assert unfinished in listing.staging
+    model, opt = _model()
+    with CheckpointPilot(policy, model=model, optimizer=opt) as again:
+        assert again.restore() == 3
+        assert not remote.exists(unfinished)  # the restore removed the debris
+        again.close(save=False)
+
+
+def test_s3_retry_settings_reach_s3fs_and_botocore(tmp_path: Path, s3_endpoint: str,
+                                                   bucket: str) -> None:
+    policy = _flaky_policy(tmp_path, s3_endpoint, bucket)
+    assert policy.tiers.remote.retries.attempts == 4
+    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options,
+                        retries=policy.tiers.remote.retries)
+    assert isinstance(remote.fs, s3fs.S3FileSystem)
+    assert remote.fs.retries == 4
+    remote.list()  # connects: the botocore client exists from here on
+    assert remote.fs.s3.meta.config.retries == {"total_max_attempts": 4, "mode": "standard"}
+
+    # What the user's storage_options say wins.
+    mine = _flaky_policy(tmp_path, s3_endpoint, bucket, **NO_LIBRARY_RETRIES)
+    remote = RemoteTier(mine.tiers.remote.url, mine.tiers.remote.storage_options,
+                        retries=mine.tiers.remote.retries)
+    remote.list()
+    assert remote.fs.retries == 1
+    assert remote.fs.s3.meta.config.retries["total_max_attempts"] == 1

@@ -63,7 +63,8 @@ def resolve_policy(target: Policy | str | os.PathLike[str]) -> Policy:
 
 
 def remote_of(policy: Policy) -> RemoteTier:
-    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options)
+    remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options,
+                        retries=policy.tiers.remote.retries)
     if not remote.durable:
         raise PolicyError("tiers.remote.url", f"{remote.url} does not outlive this process, "
                           "so it cannot hold recovery points; use a directory or an object "

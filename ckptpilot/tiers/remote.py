@@ -20,6 +20,11 @@ missing: ``tiers.entries`` has the rule and the order.
 ``storage_options`` go to fsspec as they are (endpoint, credentials, region); they are never
 logged — only the URL is.
 
+Off a local file system every operation that can be repeated as it is (a read of one object or
+a range of it, a listing, an ``exists``, the write of one object from bytes in hand) is retried
+on the errors of a network that fails and comes back (``tiers.remote.retries``, one log line a
+retry), then fails as ``RemoteIOError`` naming the URL and the cause (``tiers/retry.py``).
+
 One rank's view of it as a :class:`~ckptpilot.tiers.base.CheckpointTier` is
 ``tiers.archive.RemoteCheckpointTier`` (it needs ``storage.archive``, which needs this module).
 
@@ -52,6 +57,15 @@ from ckptpilot.format.digest import (
 )
 from ckptpilot.tiers import entries
 from ckptpilot.tiers.entries import COMMIT_FILE, STAGING_MARK
+from ckptpilot.tiers.retry import (
+    NO_RETRIES,
+    Retries,
+    fs_options,
+    gave_up,
+    inside_retry,
+    retrying,
+    transient,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +78,14 @@ class RemoteTier:
 
     name = "remote"
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
+                 retries: Retries | None = None) -> None:
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+        retries = retries or NO_RETRIES
+        options, library_retries = fs_options(self.url, storage_options, retries)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
+        if library_retries is not None:
+            self.fs.retries = library_retries
         # The root is created by the first save (``new_staging``), not here: reading a run
         # (``ls``, a restore, a dry run) must change nothing, and a mistyped URL must not
         # appear as an empty tier.
@@ -77,6 +96,14 @@ class RemoteTier:
         protocols = (protocols,) if isinstance(protocols, str) else tuple(protocols)
         # Data that does not outlive this process cannot be a recovery point.
         self.durable = not _NOT_DURABLE.intersection(protocols)
+        # A local file system's errors are its answer, not weather: tried once.
+        self.retries = NO_RETRIES if self.is_local else retries
+
+    def _retry(self, what: str, relpath: str, fn: Any, *args: Any) -> Any:
+        if self.retries is NO_RETRIES:
+            return fn(*args)
+        return retrying(self.retries, f"{what} {self.fs.unstrip_protocol(self.path(relpath))}",
+                        fn, *args)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
@@ -111,19 +138,27 @@ class RemoteTier:
         The digest is computed from the very buffers handed to the file, so it certifies what
         was written, not a second reading of the source.
         """
-        with self.open_write(relpath) as out:
-            for chunk in chunks:
-                out.write(chunk)
-        return out.size, out.sha256
+        def once(parts: Iterable[bytes | memoryview]) -> tuple[int, str]:
+            with self.open_write(relpath) as out:
+                for chunk in parts:
+                    out.write(chunk)
+            return out.size, out.sha256
+        if isinstance(chunks, list | tuple):  # in hand: the write can be made again
+            return self._retry("write", relpath, once, chunks)  # type: ignore[no-any-return]
+        return once(chunks)
 
     def write_record(self, relpath: str, chunks: Iterable[bytes | memoryview], *,
                      fsync: bool = True) -> dict[str, Any]:
         """``write_file`` with chunk digests (``format.digest``): returns the file record,
         hashed on several threads while the bytes are written."""
-        with self.open_write(relpath, chunked=True, fsync=fsync) as out:
-            for chunk in chunks:
-                out.write(chunk)
-        return out.record
+        def once(parts: Iterable[bytes | memoryview]) -> dict[str, Any]:
+            with self.open_write(relpath, chunked=True, fsync=fsync) as out:
+                for chunk in parts:
+                    out.write(chunk)
+            return out.record
+        if isinstance(chunks, list | tuple):  # in hand: the write can be made again
+            return self._retry("write", relpath, once, chunks)  # type: ignore[no-any-return]
+        return once(chunks)
 
     @contextmanager
     def open_write(self, relpath: str, *, digest: bool = True, chunked: bool = False,
@@ -142,9 +177,16 @@ class RemoteTier:
                     os.fsync(f.fileno())
                     _drop_from_page_cache(f.fileno())
         else:
-            with self.fs.open(target, "wb") as f:
-                out = HashingWriter(f, digest=digest, chunked=chunked)
-                yield out
+            try:
+                with self.fs.open(target, "wb") as f:
+                    out = HashingWriter(f, digest=digest, chunked=chunked)
+                    yield out
+            except Exception as e:
+                # A producer's stream cannot be replayed: one attempt (s3fs still retries
+                # each part's request).
+                if inside_retry() or not transient(e):
+                    raise
+                raise gave_up(f"write {self.fs.unstrip_protocol(target)}", 1, e) from e
 
     def publish(self, staging: str, final: str) -> None:
         """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost.
@@ -183,22 +225,34 @@ class RemoteTier:
         """Names of the entries directly under the root."""
         self.fs.invalidate_cache(self.root)  # another process (a rank, the CLI) may write
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            entries = self._retry("list", "", self.fs.ls, self.root, False)
         except FileNotFoundError:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def exists(self, relpath: str) -> bool:
-        return bool(self.fs.exists(self.path(relpath)))
+        if self.is_local:
+            return bool(self.fs.exists(self.path(relpath)))
+        # fsspec's ``exists`` answers False to any error: a server that is down would read as
+        # a checkpoint that is gone. ``info`` tells the two apart; asked of the store, not of
+        # the listing cache (another process may have written or removed it since).
+        def probe() -> bool:
+            self.fs.invalidate_cache(self.path(relpath))
+            try:
+                self.fs.info(self.path(relpath))
+            except FileNotFoundError:
+                return False
+            return True
+        return bool(self._retry("stat", relpath, probe))
 
     def open_read(self, relpath: str) -> IO[bytes]:
-        return self.fs.open(self.path(relpath), "rb")
+        return self._retry("open", relpath, self.fs.open, self.path(relpath), "rb")  # type: ignore[no-any-return]
 
     def read_bytes(self, relpath: str) -> bytes:
-        return bytes(self.fs.cat_file(self.path(relpath)))
+        return bytes(self._retry("read", relpath, self.fs.cat_file, self.path(relpath)))
 
     def size(self, relpath: str) -> int:
-        return int(self.fs.size(self.path(relpath)))
+        return int(self._retry("stat", relpath, self.fs.size, self.path(relpath)))
 
     def read_verified(self, relpath: str, rec: Mapping[str, Any]) -> np.ndarray:
         """The file's ``rec["bytes"]`` bytes in a fresh buffer, read once (no mmap) and checked
@@ -209,7 +263,11 @@ class RemoteTier:
         file system each chunk is read with ``pread`` and hashed on the hashing threads, several
         in flight; elsewhere the stream is read in order while the chunks already read are
         hashed. A whole-file digest (version 1) is computed on one thread behind the reads.
+        A read the network breaks is made again from the start (into a fresh buffer).
         """
+        return self._retry("read", relpath, self._read_verified, relpath, rec)  # type: ignore[no-any-return]
+
+    def _read_verified(self, relpath: str, rec: Mapping[str, Any]) -> np.ndarray:
         where = self.path(relpath)
         buf = np.empty(int(rec["bytes"]), dtype=np.uint8)
         view = memoryview(buf)
@@ -251,9 +309,12 @@ class RemoteTier:
     def verify(self, relpath: str, rec: Mapping[str, Any]) -> None:
         """Check a stored file against its record without keeping its bytes (chunks hashed
         in parallel as in :meth:`read_verified`, a few chunks of memory at a time)."""
+        self._retry("read", relpath, self._verify, relpath, rec)
+
+    def _verify(self, relpath: str, rec: Mapping[str, Any]) -> None:
         where = self.path(relpath)
         if not is_chunked(rec):
-            _, sha = self.digest(relpath)
+            _, sha = self._digest(relpath)
             if sha != rec["sha256"]:
                 raise IntegrityError(where, str(rec["sha256"]), sha)
             return
@@ -283,6 +344,9 @@ class RemoteTier:
 
     def digest(self, relpath: str) -> tuple[int, str]:
         """Stream a stored file once; returns (size, SHA256 hex)."""
+        return self._retry("read", relpath, self._digest, relpath)  # type: ignore[no-any-return]
+
+    def _digest(self, relpath: str) -> tuple[int, str]:
         h = hashlib.sha256()
         size = 0
         with self.open_read(relpath) as f:
@@ -307,7 +371,7 @@ class RemoteTier:
 
     def download(self, relpath: str, local: str) -> None:
         """Copy a stored file to the local path ``local``, streamed."""
-        self.fs.get_file(self.path(relpath), local)
+        self._retry("download", relpath, self.fs.get_file, self.path(relpath), local)
 
     def remove(self, name: str, *, step: int | None = None, rank: int | None = None) -> None:
         """Remove the checkpoint entry ``name`` (a published checkpoint, a staging or
