@@ -1,5 +1,6 @@
 """The ``ckptpilot fit`` scenarios that attack the job from outside its process: peer daemons
-killed or hung (SIGSTOP) under one or two ranks; an operator's catalogue rebuilt after a
+killed or hung (SIGSTOP) under one or two ranks; shards forged on the peers, and a flood of
+idle connections to them; an operator's catalogue rebuilt after a
 restore abandoned newer steps; a metadata row pointing outside the checkpoints and a step
 directory replaced by a symlink, both met by ``ckptpilot prune`` and the restore.
 
@@ -9,9 +10,12 @@ vocabulary (outcomes, reading the children) is ``checks``'.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -37,6 +41,8 @@ from ckptpilot.fit.checks import (
 from ckptpilot.fit.harness import Harness, Trial
 from ckptpilot.rundir import metadata_path
 from ckptpilot.storage.archive import checkpoint_name, list_archives
+from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier, PeerTier
+from ckptpilot.tiers.peer.auth import load_secret
 from ckptpilot.tiers.remote import RemoteTier
 
 
@@ -98,6 +104,89 @@ def common_remote(trial: Trial) -> int | None:
     common = held[0] & held[1]
     return max(common) if common else None
 
+
+
+FLOOD_CONNECTIONS = 300  # idle connections to one daemon: the issue's attack
+
+
+def _newest_on_peers(h: Harness, name: str) -> tuple[Trial, dict[str, Any], int, str,
+                                                     list[str]]:
+    """A job killed between saves whose newest save is on the peers: the trial, its fault
+    event, that step, the peers' run id and the endpoints holding it."""
+    trial = h.trial(name, peers=True)
+    fault = faulted(trial.run("faulted", fault="kill-between", at_step=BETWEEN_STEP))
+    step = newest_save(fault["saves"], "peer")
+    if step is None:
+        raise ScenarioFailed(f"no checkpoint reached the peer tier by step {BETWEEN_STEP}")
+    location = next(s["location"] for s in fault["saves"]
+                    if s["step"] == step and s["tier"] == "peer")
+    run_id = location.removeprefix("peer:").rsplit("/", 1)[0]
+    return trial, fault, step, run_id, holders_of(fault["saves"], step)
+
+
+def forged_peer_shards(h: Harness, name: str, obs: Observation) -> str:
+    """A client without the job's secret is refused by every daemon; one with it (leaked, or
+    a compromised node) replaces the newest peer checkpoint by other bytes with their digests
+    recomputed: the restore must skip it by the digest its own metadata row recorded and
+    load the remote tier's newest step instead."""
+    trial, fault, step, run_id, endpoints = _newest_on_peers(h, name)
+    assert trial.peers is not None
+    peer = trial.policy.tiers.peer
+    try:
+        with contextlib.closing(PeerTier(endpoints, run_id=run_id, secret=os.urandom(32),
+                                         data_shards=peer.data_shards, parity=peer.parity,
+                                         timeout_seconds=5)) as outsider:
+            outsider.fetch(step)
+        raise ScenarioFailed(f"a client without the secret fetched step {step}")
+    except PEER_ERRORS as e:
+        if "HMAC" not in str(e):
+            raise ScenarioFailed(f"a client without the secret got: {e}") from e
+    secret = load_secret(trial.peers.secret_file, what="fit's peer secret")
+    with contextlib.closing(PeerCheckpointTier(
+            PeerTier(endpoints, run_id=run_id, secret=secret, data_shards=peer.data_shards,
+                     parity=peer.parity, timeout_seconds=5), rank=0)) as attacker:
+        real = attacker.get(step)
+        forged = real.arena.clone()
+        forged[: forged.numel() // 2] ^= 0x5A
+        attacker.put(dataclasses.replace(real, arena=forged))
+    what = f"an outsider refused (HMAC); step {step} forged with the secret"
+    remote = newest_save(fault["saves"], "remote")
+    if remote is None:
+        why = refusal(trial.run("resumed"), "NoCheckpointError")
+        if "not the one this trainer put" not in why:
+            raise ScenarioFailed(f"the forged step {step} was not refused for its digest: "
+                                 f"{why}")
+        return f"{what}; nothing on the remote tier; refused: {why}"
+    rec = resume(trial, obs, expect=remote)
+    reasons = [reason for _, reason in rec["skipped"]]
+    if not any("not the one this trainer put" in r for r in reasons):
+        raise ScenarioFailed(f"the forged step {step} was not skipped for its digest: {reasons}")
+    return passed(rec, f"{what} and skipped by its row's digest")
+
+
+def hostile_peer_clients(h: Harness, name: str, obs: Observation) -> str:
+    """300 idle connections to every daemon holding the newest peer checkpoint, and as many
+    that send half a frame, held open while the job restarts: the daemons must still serve
+    the trainer, which restores that step from the peers."""
+    trial, _, step, _, endpoints = _newest_on_peers(h, name)
+    flood: list[socket.socket] = []
+    try:
+        for endpoint in endpoints:
+            host, port = endpoint.rsplit(":", 1)
+            for i in range(FLOOD_CONNECTIONS):
+                with contextlib.suppress(OSError):  # refused once the daemon is full: fine
+                    sock = socket.create_connection((host, int(port)), timeout=5)
+                    flood.append(sock)
+                    if i % 2:
+                        sock.sendall(b"\x00\x01")  # the first bytes of a frame, never more
+        rec = resume(trial, obs, expect=step)
+    finally:
+        for sock in flood:
+            sock.close()
+    if rec["source"] != "peer":
+        raise ScenarioFailed(f"restored step {step} from {rec['source']}, expected the peers")
+    return passed(rec, f"{len(flood)} idle and half-frame connections held to "
+                       f"{len(endpoints)} daemons")
 
 
 def _run_cli(trial: Trial, *args: str) -> subprocess.CompletedProcess[str]:

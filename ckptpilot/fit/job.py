@@ -65,7 +65,7 @@ from ckptpilot.validation.postwrite import PostWriteValidator
 WRITE_WAITS = {"kill-write": None, "kill-write-after-rank0": "rank0-published",
                "kill-write-every-rank": "every-rank-writing"}
 FAULTS = ("kill-capture", *WRITE_WAITS, "kill-validate", "kill-publish", "kill-between",
-          "enospc", "remote-down", "nvml-burst")
+          "enospc", "remote-down", "remote-flaky", "nvml-burst")
 EXIT_ERROR = 3  # a ckptpilot error (restore refused, a save failed): reported in the events
 ENOSPC_AFTER_BYTES = 4096
 OTHER_RANKS_WAIT_SECONDS = 60.0
@@ -290,6 +290,40 @@ def _remote_down() -> None:
         setattr(RemoteTier, name, unreachable(name))
 
 
+FLAKY_METHODS = ("open", "cat_file", "info", "ls", "exists", "pipe_file")
+
+
+def _remote_flaky() -> None:
+    """The object store behind the remote tier drops the connection on the first call of
+    each of its file-system methods for each path (a reset, as a restarting server gives),
+    then answers: the tier's retries must see every operation through. A file opened for
+    writing reaches the store only when it is flushed, so its ``open`` is left alone."""
+    failed: set[tuple[str, str]] = set()
+    lock = threading.Lock()
+    original_init = RemoteTier.__init__
+
+    def flaky(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            mode = kwargs.get("mode", args[0] if args else "rb")
+            if name == "open" and "r" not in str(mode):
+                return method(path, *args, **kwargs)  # a write reaches the store at its flush
+            with lock:
+                first = (name, str(path)) not in failed
+                failed.add((name, str(path)))
+            if first:
+                raise ConnectionResetError(errno.ECONNRESET, f"connection reset by ckptpilot "
+                                           f"fit (remote-flaky, in {name} {path})")
+            return method(path, *args, **kwargs)
+        return call
+
+    def init(self: RemoteTier, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        for name in FLAKY_METHODS:
+            setattr(self.fs, name, flaky(name, getattr(self.fs, name)))
+
+    RemoteTier.__init__ = init  # type: ignore[method-assign]
+
+
 class BurstProvider(GpuHealthProvider):
     """A GPU that reports nothing until ``arm()``, then a burst: uncorrected ECC errors and
     three XIDs. ``wait_seen`` returns once the monitor has read the burst and polled again,
@@ -383,6 +417,8 @@ def _install(fault: str | None, at_step: int, job: Job) -> None:
         _enospc(job, at_step)
     elif fault == "remote-down":
         _remote_down()
+    elif fault == "remote-flaky":
+        _remote_flaky()
 
 
 @dataclass

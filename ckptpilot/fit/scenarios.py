@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 from ckptpilot.fit.attacks import (
     abandoned_then_rebuilt,
+    forged_peer_shards,
+    hostile_peer_clients,
     peer_fault,
     symlinked_step,
     tampered_location,
@@ -61,6 +63,7 @@ from ckptpilot.storage.archive import (
     TENSORS_FILE,
     checkpoint_name,
 )
+from ckptpilot.tiers.remote import RemoteTier
 
 # -- SIGKILL of the training process -------------------------------------------------------
 
@@ -224,6 +227,18 @@ def _remote_unreachable(h: Harness, name: str, obs: Observation) -> str:
     return passed(rec, while_down + "; back up")
 
 
+def _remote_flaky(h: Harness, name: str, obs: Observation) -> str:
+    """The object store resets the first call of every operation during the restart: the
+    restore and the saves after it must go through on the tier's retries."""
+    remote = h.policy.tiers.remote
+    if RemoteTier(remote.url, remote.storage_options).is_local:
+        raise ScenarioSkipped("the remote tier is a local directory, whose errors are "
+                              "answers (not retried); give a policy on an object store")
+    trial, fault = killed_between(h, name)
+    rec = resume(trial, obs, expect=newest_save(fault["saves"]) or 0, fault="remote-flaky")
+    return passed(rec, "every object-store call reset once")
+
+
 def _metadata_locked(h: Harness, name: str, obs: Observation) -> str:
     trial = h.trial(name, peers=h.policy_has_peers)
     go = trial.dir / "go"
@@ -380,6 +395,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("remote-unreachable", "remote tier unreachable",
              "while down: restores from a faster tier or refuses with a ckptpilot error; back "
              "up: restores the newest; bit-exact", Needs.SINGLE, _remote_unreachable),
+    Scenario("flaky-remote", "object store resets connections",
+             "every call's first attempt reset: the restore and the saves after it retry; "
+             "restores the newest; bit-exact (object stores only)", Needs.SINGLE,
+             _remote_flaky),
     Scenario("metadata-locked", "metadata DB locked",
              "saves wait for the lock instead of failing; restores the newest; bit-exact",
              Needs.SINGLE, _metadata_locked),
@@ -422,6 +441,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("peers-lost-3", "three peers killed",
              "falls back to the remote tier (or refuses with NoCheckpointError when it holds "
              "nothing); bit-exact", Needs.PEERS, peer_fault("kill", "kill", "kill")),
+    Scenario("forged-peer-shards", "peer shards forged",
+             "a client without the job's secret is refused; shards replaced with the secret "
+             "are skipped by the row's digest and the remote tier restores; bit-exact",
+             Needs.PEERS, forged_peer_shards),
+    Scenario("hostile-peer-clients", "peer daemons flooded",
+             "300 idle and half-frame connections per daemon do not stop the trainer "
+             "restoring from the peers; bit-exact", Needs.PEERS, hostile_peer_clients),
     Scenario("ranks-peers-lost-2", "two peers killed under two ranks",
              "both ranks fall back to the same remote step (or refuse together); bit-exact",
              Needs.DIST, peer_fault("kill", "kill", dist=True)),
