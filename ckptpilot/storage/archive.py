@@ -136,7 +136,7 @@ def parse_safetensors(buf: bytearray | np.ndarray, where: str) -> dict[str, torc
         raise CheckpointFormatError(f"{where}: header claims {n} bytes, file has {len(buf)}")
     try:
         header = json.loads(bytes(buf[8:8 + n]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int too long
         raise CheckpointFormatError(f"{where}: header is not valid JSON ({e})") from e
     check_safetensors_header(header, len(buf) - 8 - n, where)
     tensors: dict[str, torch.Tensor] = {}
@@ -387,8 +387,11 @@ def read_organ(tier: RemoteTier, name: str, *, manifest_sha256: str | None = Non
             tier.path(name, TENSORS_FILE))
     try:
         meta = json.loads(bytes(_read_verified(tier, name, STATE_FILE, files[STATE_FILE])))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int too long
         raise CheckpointFormatError(f"{tier.path(name, STATE_FILE)}: not valid JSON") from e
+    if not isinstance(meta, dict):
+        raise CheckpointFormatError(f"{tier.path(name, STATE_FILE)}: a JSON "
+                                    f"{type(meta).__name__}, not an object")
     if meta.get("step") != manifest["step"]:
         raise CheckpointFormatError(
             f"{location}: state is of step {meta.get('step')}, manifest of {manifest['step']}")

@@ -597,7 +597,7 @@ def _decode_bitmap(raw: str) -> dict[int, str]:
 def _load_object(raw: str | bytes, key: str) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int too long
         raise RegistryFormatError(key, f"not JSON ({e})") from e
     if not isinstance(doc, dict):
         raise RegistryFormatError(key, f"expected a JSON object, got {type(doc).__name__}")
