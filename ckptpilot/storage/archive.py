@@ -385,8 +385,9 @@ def read_organ(tier: RemoteTier, name: str, *, manifest_sha256: str | None = Non
         tensors = parse_safetensors(
             _read_verified(tier, name, TENSORS_FILE, files[TENSORS_FILE]),
             tier.path(name, TENSORS_FILE))
-    try:
-        meta = json.loads(bytes(_read_verified(tier, name, STATE_FILE, files[STATE_FILE])))
+    raw = bytes(_read_verified(tier, name, STATE_FILE, files[STATE_FILE]))
+    try:  # IntegrityError is a ValueError too: the read stays outside
+        meta = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int too long
         raise CheckpointFormatError(f"{tier.path(name, STATE_FILE)}: not valid JSON") from e
     if not isinstance(meta, dict):
