@@ -182,8 +182,10 @@ def test_mark_rejects_unknown_rows_fields_and_statuses(store: MetadataStore) -> 
     row = add(store, 1)
     with pytest.raises(NoCheckpointError, match="no checkpoint row 99"):
         store.mark(99, Status.VALID)
-    with pytest.raises(TypeError, match="cannot set sha256, step"):
+    with pytest.raises(TypeError, match="cannot set step;"):
         store.mark(row.id, Status.VALID, sha256=sha("x"), step=3)
+    with pytest.raises(TypeError, match="cannot set sha256;"):  # only publishing sets it
+        store.mark(row.id, Status.CORRUPTED, sha256=sha("x"))
     with pytest.raises(ValueError, match="status: 'ok' is not one of"):
         store.mark(row.id, "ok")
     with pytest.raises(TypeError, match="expected a row id or"):
