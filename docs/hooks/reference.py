@@ -86,7 +86,7 @@ def _policy_section(model: type[BaseModel], schema: dict[str, Any], root: dict[s
         sub, sub_schema, mapped = _submodel(field.annotation, prop, root)
         if sub is not None and sub_schema is not None:
             children.append((sub, sub_schema, f"{dotted}.<name>" if mapped else dotted))
-        kind = _type_text(prop, root, byte_size)
+        kind = _type_text(prop, byte_size)
         default = "required" if key in required else _default_text(
             field.get_default(call_default_factory=True), byte_size)
         out.append(f"| `{dotted}` | {_cell(kind)} | {_cell(default)} | "
@@ -135,13 +135,13 @@ def _model_named(annotation: Any, ref: str) -> type[BaseModel]:
     raise LookupError(f"no model {name} in {annotation!r}")
 
 
-def _type_text(prop: dict[str, Any], root: dict[str, Any], byte_size: bool) -> str:
+def _type_text(prop: dict[str, Any], byte_size: bool) -> str:
     if byte_size:
         nullable = any(option.get("type") == "null" for option in prop.get("anyOf", ()))
         return "byte size or null" if nullable else "byte size"
     options = prop.get("anyOf")
     if options:
-        return " or ".join(_type_text(option, root, False) for option in options)
+        return " or ".join(_type_text(option, False) for option in options)
     if "$ref" in prop:
         return "section"
     if "enum" in prop or "const" in prop:
@@ -152,7 +152,7 @@ def _type_text(prop: dict[str, Any], root: dict[str, Any], byte_size: bool) -> s
         return "mapping of sections" if isinstance(values, dict) and "$ref" in values \
             else "mapping"
     if kind == "array":
-        return f"list of {_type_text(prop.get('items', {}), root, False)}"
+        return f"list of {_type_text(prop.get('items', {}), False)}"
     return {"integer": "int", "number": "float", "boolean": "bool", "string": "str",
             "null": "null"}.get(kind, kind)
 
@@ -232,12 +232,19 @@ def cli_reference() -> str:
     out: list[str] = []
     for name, parser, help_text in _subcommands(build_parser(), "ckptpilot"):
         out += [f"### `{name}`", "", _cell(help_text[0].upper() + help_text[1:]) + ".", "",
-                "```text", parser.format_usage().strip().removeprefix("usage: "), "```", ""]
+                "```text", _usage(parser), "```", ""]
         rows = [_option_row(action) for action in parser._actions
                 if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction)]
         if rows:
             out += ["| Option | Default | Meaning |", "| --- | --- | --- |", *rows, ""]
     return "\n".join(out)
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """argparse's usage without its ``usage: `` prefix, continuation lines shifted to match."""
+    prefix = "usage: "
+    return parser.format_usage().strip().removeprefix(prefix).replace(
+        "\n" + " " * len(prefix), "\n")
 
 
 def _subcommands(parser: argparse.ArgumentParser, prog: str,
