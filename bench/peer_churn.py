@@ -57,6 +57,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -89,8 +90,8 @@ log = logging.getLogger("peer_churn")
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the thread that spawned it ends (this
-    benchmark's main thread), however it ends."""
+    """In the child before exec: SIGKILL it when the thread that spawned it ends (the
+    cluster's spawner thread, which lives as long as this process or the cluster)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -140,10 +141,12 @@ class Slot:
 
 class Cluster:
     """A ``ckptpilot peer registry`` of ``capacity`` daemon nodes (plus the synthetic
-    writers' nodes) and the daemons. Used from the main thread only, which spawns every
-    process (their death signal follows the spawning thread)."""
+    writers' nodes) and the daemons. Every process is spawned on one spawner thread (their
+    death signal follows the thread that spawned them), so the churn thread may start
+    daemons too; :meth:`close` SIGKILLs them all. Start and stop from one thread at a time."""
 
     def __init__(self, workdir: Path, capacity: int, mem_limit_mib: int) -> None:
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self.workdir = workdir
         self.mem_limit_mib = mem_limit_mib
         self.secret_file = workdir / "peer.secret"
@@ -151,10 +154,13 @@ class Cluster:
         self.slots: list[Slot] = []
         self.capacity = capacity
         log_path = workdir / "registry.log"
-        self.registry = _spawn([sys.executable, "-m", "ckptpilot", "peer", "registry",
+        self.registry = self._spawn([sys.executable, "-m", "ckptpilot", "peer", "registry",
                                 "--host", "127.0.0.1", "--port", "0", "--nodes",
                                 str(capacity + SYNTHETIC_WRITERS)], log_path)
         self.address = _read_line(self.registry, REGISTRY_LISTENING, 120, log_path)
+
+    def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen[str]:
+        return self._spawner.submit(_spawn, cmd, log_path).result()
 
     def _cmd(self, slot: Slot) -> list[str]:
         return [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
@@ -166,7 +172,7 @@ class Cluster:
         """Start ``slots`` in parallel; the seconds until all listen."""
         t0 = time.perf_counter()
         for s in slots:
-            s.proc = _spawn(self._cmd(s), s.log_path)
+            s.proc = self._spawn(self._cmd(s), s.log_path)
         for s in slots:
             assert s.proc is not None
             s.port = int(_read_line(s.proc, LISTENING, 300, s.log_path).rsplit(":", 1)[1])
@@ -200,6 +206,7 @@ class Cluster:
             p.wait()
             if p.stdout is not None:
                 p.stdout.close()
+        self._spawner.shutdown()
 
 
 # ----------------------------------------------------------------------------- scaling
@@ -275,7 +282,9 @@ def torn(state: NodeState) -> bool:
 class RegistryWatch:
     """Synthetic writers and one reader of the registry, on threads, until :meth:`stop`."""
 
-    def __init__(self, address: str, capacity: int, endpoints: dict[int, str]) -> None:
+    def __init__(self, address: str, capacity: int, endpoints: dict[int, str], *,
+                 guarded: bool = True) -> None:
+        self.guarded = guarded  # False: writers skip the protocol (the control: reads tear)
         self.address = address
         self.capacity = capacity
         self.endpoints = endpoints  # node -> the only endpoint it may publish (grows)
@@ -289,7 +298,8 @@ class RegistryWatch:
 
     def _write(self, node: int) -> None:
         reg = connect_registry(self.address, node=node, timeout_seconds=30)
-        reg._between_keys = lambda: time.sleep(0.002)  # the tests' seam: widen each write
+        reg._between_keys = lambda: time.sleep(0.002)  # the tests' seams: widen each write,
+        reg._guarded = self.guarded  # and (control only) skip the bit and the new version
         i = 0
         while not self._stop.wait(0.01):
             i += 1
@@ -406,6 +416,7 @@ class Restore:
     skipped: list[str]
     bit_exact: bool
     reason: str  # why it is not the newest save from the peers ("" when it is)
+    forced: bool = False  # after two holders of the newest checkpoint were killed
 
     @property
     def kind(self) -> str:
@@ -426,6 +437,7 @@ class ChurnResult:
     unexplained: list[str] = field(default_factory=list)
     registry: RegistryCheck = field(default_factory=RegistryCheck)
     warnings: list[str] = field(default_factory=list)
+    marked_down_alive: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -466,8 +478,7 @@ def check_listing(cluster: Cluster, n: int, run_id: str, result: ChurnResult) ->
 
 class Churn(threading.Thread):
     """Fires the seeded kill / drain / join events, each after a random pause, until
-    ``events`` fired or ``seconds`` passed; then waits for :meth:`stop`. Daemons it joined
-    die with this thread (their death signal follows it): the next N restarts them."""
+    ``events`` fired or ``seconds`` passed, or :meth:`stop`."""
 
     def __init__(self, cluster: Cluster, n: int, rng: random.Random, events: int,
                  seconds: float) -> None:
@@ -486,7 +497,6 @@ class Churn(threading.Thread):
             self.log.append(f"{time.monotonic() - deadline + self.seconds:.1f}s "
                             + churn_event(self.cluster, self.n, self.rng, DATA_SHARDS + 2))
         self._done.set()
-        self._halt.wait()
 
     def finished(self) -> bool:
         return self._done.is_set()
@@ -556,8 +566,12 @@ def run_churn(cluster: Cluster, workdir: Path, n: int, *, events: int, seconds: 
                 pilot.close(save=False)
             check_listing(cluster, n, peer_run_id(run_dir), result)
             cycle += 1
-    finally:
         result.events = churn.stop()
+        result.marked_down_alive = alive_but_down(cluster, n)
+        result.restores.append(lose_two_holders(cluster, n, cfg, run_dir, newest, expected,
+                                                result))
+    finally:
+        churn.stop()
         result.registry = watch.stop()
         logging.getLogger().removeHandler(warnings)
     result.warnings = list(warnings.lines)
@@ -577,6 +591,60 @@ def run_churn(cluster: Cluster, workdir: Path, n: int, *, events: int, seconds: 
     return result
 
 
+def lose_two_holders(cluster: Cluster, n: int, cfg: Path, run_dir: Path, newest: int,
+                     expected: dict[int, dict[str, torch.Tensor]], result: ChurnResult
+                     ) -> Restore:
+    """SIGKILL two daemons holding shards of the newest checkpoint on the peers (one more
+    than parity covers), then restore in a fresh pilot: it must walk back, or fetch the
+    step from another tier, and say why."""
+    run_id = peer_run_id(run_dir)
+    held = holdings(cluster, n, run_id)
+    newest_held = max(held, default=None)
+    victims = sorted(held.get(newest_held, {}).values())[:2] if newest_held is not None else []
+    for slot in cluster.slots[:n]:
+        if slot.endpoint in victims and slot.up:
+            cluster.stop(slot, signal.SIGKILL)
+    result.events.append(f"end: kill {[nodes_of(cluster)[e] for e in victims]}, holders of "
+                         f"checkpoint {newest_held}")
+    model, opt = make_model(seed=999)
+    pilot = CheckpointPilot(cfg, model=model, optimizer=opt, run_dir=run_dir)
+    try:
+        step = pilot.restore()
+        assert pilot.last_recovery is not None
+        return judge(step, newest, pilot.last_recovery, expected, state_of(model, opt),
+                     peer_rows(run_dir), forced=True)
+    finally:
+        pilot.close(save=False)
+
+
+def nodes_of(cluster: Cluster) -> dict[str, int]:
+    return {s.endpoint: s.node for s in cluster.slots}
+
+
+def holdings(cluster: Cluster, n: int, run_id: str) -> dict[int, dict[int, str]]:
+    """checkpoint -> shard index -> endpoint, as the live daemons LIST them."""
+    out: dict[int, dict[int, str]] = {}
+    for s in cluster.slots[:n]:
+        if not s.up:
+            continue
+        with contextlib.suppress(OSError):
+            reply = call(s.endpoint, Op.LIST, {"run_id": run_id}, key=cluster.key,
+                         timeout_seconds=5)
+            for shard in reply.header.get("shards", []):
+                out.setdefault(int(shard["ckpt_id"]), {})[int(shard["shard_index"])] = s.endpoint
+    return out
+
+
+def alive_but_down(cluster: Cluster, n: int, settle_seconds: float = 3.0) -> list[int]:
+    """Nodes whose daemon is alive yet still marked down in the registry after
+    ``settle_seconds`` (clients then never place shards there again until it restarts)."""
+    time.sleep(settle_seconds)
+    reg = connect_registry(cluster.address, timeout_seconds=30)
+    states = reg.read_all()
+    return [s.node for s in cluster.slots[:n]
+            if s.up and states.get(s.node) is not None and states[s.node].status == "down"]
+
+
 def peer_run_id(run_dir: Path) -> str:
     """The peers' run id of the pilot (its rows' location is ``peer:<run id>/<step>@...``)."""
     rows = peer_rows(run_dir)
@@ -587,7 +655,8 @@ def peer_run_id(run_dir: Path) -> str:
 
 
 def judge(restored: int, newest: int, rec: Any, expected: dict[int, dict[str, torch.Tensor]],
-          state: dict[str, torch.Tensor], rows: dict[int, tuple[str, str]]) -> Restore:
+          state: dict[str, torch.Tensor], rows: dict[int, tuple[str, str]], *,
+          forced: bool = False) -> Restore:
     """Compare the restored state with the one saved at its step, and find the stated
     reason for anything but the newest save from the peers: what the restore skipped, or
     the peer rows of the newer saves (a failed put is recorded as ``corrupted``)."""
@@ -607,7 +676,7 @@ def judge(restored: int, newest: int, rec: Any, expected: dict[int, dict[str, to
                                                       for s, st in sorted(lost.items()))
         else:
             reason = "?"
-    return Restore(newest, restored, source, skipped, exact, reason)
+    return Restore(newest, restored, source, skipped, exact, reason, forced)
 
 
 # ----------------------------------------------------------------------------- report
@@ -647,13 +716,19 @@ def report(timings: list[Timing], churns: list[ChurnResult], skipped: list[str],
               f"{kinds.count('walk-back')} | {sum(not r.bit_exact for r in c.restores)} | "
               f"{len(c.unexplained)} | {len(c.bad_placements)} | {reg.reads} | {reg.torn} | "
               f"{reg.regressions} | {reg.changed_same_version + reg.wrong_endpoint} |")
-        ok &= not c.unexplained and not c.bad_placements and reg.ok
+        forced = [r for r in c.restores if r.forced]
+        ok &= (not c.unexplained and not c.bad_placements and reg.ok
+               and not c.marked_down_alive
+               and all(r.kind != "exact, peers" for r in forced))
     for c in churns:
         print(f"\nN={c.n} events: " + "; ".join(c.events))
         for r in c.restores:
-            if r.kind != "exact, peers":
-                print(f"N={c.n} restore after step {r.newest} -> step {r.step} from "
-                      f"{r.source}: {r.reason}")
+            if r.kind != "exact, peers" or r.forced:
+                print(f"N={c.n} restore{' (two holders killed)' if r.forced else ''} after "
+                      f"step {r.newest} -> step {r.step} from {r.source}: {r.reason}")
+        if c.marked_down_alive:
+            print(f"N={c.n} FAULT: daemons alive but marked down in the registry: "
+                  f"nodes {c.marked_down_alive}")
         for line in c.unexplained + c.bad_placements + c.registry.errors[:5]:
             print(f"N={c.n} FAULT: {line}")
     for line in skipped:
