@@ -218,17 +218,23 @@ class Timing:
     fetch: float
     listing: float
     groups_ok: bool
+    endpoints: int
 
 
-def time_put_fetch(cluster: Cluster, n: int, image_mb: float, repeats: int) -> Timing:
-    """Medians of put, fetch and list with all ``n`` daemons up (one untimed round first)."""
+def time_put_fetch(cluster: Cluster, n: int, image_mb: float, repeats: int,
+                   endpoints: int | None = None) -> Timing:
+    """Medians of put, fetch and list with all ``n`` daemons up (one untimed round first),
+    through a tier over the first ``endpoints`` of them (default all): the same number of
+    endpoints with more daemons running tells the host's contention from the fan-out."""
+    endpoints = n if endpoints is None else endpoints
     rng = np.random.default_rng(n)
     image = rng.integers(0, 256, int(image_mb * 2**20), dtype=np.uint8)
     meta = b'{"bench": "peer_churn"}'
     puts, fetches, lists = [], [], []
     groups_ok = True
     nodes = {s.endpoint: s.node for s in cluster.slots}
-    with PeerTier(cluster.endpoints(n), run_id=f"timing-{n}", secret=cluster.key,
+    with PeerTier(cluster.endpoints(endpoints), run_id=f"timing-{n}-{endpoints}",
+                  secret=cluster.key,
                   data_shards=DATA_SHARDS, registry=cluster.address, deltas="never",
                   probe_interval=0.5, timeout_seconds=10) as tier:
         for i in range(repeats + 1):
@@ -247,7 +253,7 @@ def time_put_fetch(cluster: Cluster, n: int, image_mb: float, repeats: int) -> T
                 fetches.append(t2 - t1)
                 lists.append(t3 - t2)
         tier.drop(repeats)
-    return Timing(n, median(puts), median(fetches), median(lists), groups_ok)
+    return Timing(n, median(puts), median(fetches), median(lists), groups_ok, endpoints)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -692,13 +698,15 @@ def report(timings: list[Timing], churns: list[ChurnResult], skipped: list[str],
            startup: dict[int, float], args: argparse.Namespace) -> bool:
     print("\n## put / fetch / list with all N daemons up (medians of "
           f"{args.repeats}; image {args.image_mb} MB = {DATA_SHARDS} data shards + parity)\n")
-    print("| N | start (s, new daemons) | put (s) | fetch (s) | list (s) | put per shard (ms) "
-          "| fetch per shard (ms) | put vs first N | fetch vs first N | groups on distinct nodes |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| N up | tier's endpoints | start (s, new daemons) | put (s) | fetch (s) | list (s) "
+          "| put per shard (ms) | fetch per shard (ms) | put vs first N | fetch vs first N "
+          "| groups on distinct nodes |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     base = timings[0] if timings else None
     for t in timings:
         assert base is not None
-        print(f"| {t.n} | {startup[t.n]:.1f} | {t.put:.3f} | {t.fetch:.3f} | {t.listing:.3f} | "
+        print(f"| {t.n} | {t.endpoints} | {startup[t.n]:.1f} | {t.put:.3f} | {t.fetch:.3f} | "
+              f"{t.listing:.3f} | "
               f"{t.put / (DATA_SHARDS + 1) * 1e3:.1f} | {t.fetch / DATA_SHARDS * 1e3:.1f} | "
               f"{t.put / base.put:.2f}x | {t.fetch / base.fetch:.2f}x | {t.groups_ok} |")
     ok = all(t.groups_ok for t in timings)
@@ -733,14 +741,21 @@ def report(timings: list[Timing], churns: list[ChurnResult], skipped: list[str],
             print(f"N={c.n} FAULT: {line}")
     for line in skipped:
         print(f"skipped: {line}")
-    if len(timings) > 1:
-        first, last = timings[0], timings[-1]
+    full = [t for t in timings if t.endpoints == t.n]
+    if len(full) > 1:
+        first, last = full[0], full[-1]
         print(f"\nscaling: from N={first.n} to N={last.n} ({last.n / first.n:.0f}x the daemons) "
               f"one put took {last.put / first.put:.2f}x and one fetch "
               f"{last.fetch / first.fetch:.2f}x the time, one list "
               f"{last.listing / first.listing:.2f}x; "
               "a put sends to 4 daemons whatever N, but COMMIT goes to every daemon up and a "
               "fetch LISTs every endpoint first")
+        few = [t for t in timings if t.endpoints == first.n and t.n == last.n]
+        if few:
+            print(f"with N={last.n} daemons up but a tier over {first.n} of them, one put took "
+                  f"{few[0].put / first.put:.2f}x and one fetch "
+                  f"{few[0].fetch / first.fetch:.2f}x the N={first.n} time: what the extra "
+                  "daemons cost this host, without the fan-out")
     print(f"\nresult: {'all invariants held' if ok else 'INVARIANT VIOLATED'}")
     return ok
 
@@ -806,9 +821,11 @@ def run_all(cluster: Cluster, workdir: Path, counts: list[int], churn_at: set[in
               flush=True)
         time.sleep(1.5)  # a registry refresh: every node announced before the first put
         timings.append(time_put_fetch(cluster, n, args.image_mb, args.repeats))
-        t = timings[-1]
-        print(f"N={n}: put {t.put:.3f} s, fetch {t.fetch:.3f} s, list {t.listing:.3f} s",
-              flush=True)
+        if n != counts[0]:
+            timings.append(time_put_fetch(cluster, n, args.image_mb, args.repeats, counts[0]))
+        for t in timings[-2 if n != counts[0] else -1:]:
+            print(f"N={n}, tier over {t.endpoints}: put {t.put:.3f} s, fetch {t.fetch:.3f} s, "
+                  f"list {t.listing:.3f} s", flush=True)
         if n in churn_at:
             churns.append(run_churn(cluster, workdir, n, events=args.events,
                                     seconds=args.seconds, seed=args.seed,
