@@ -84,6 +84,7 @@ from ckptpilot.tiers.peer.registry import (  # noqa: E402
 )
 
 REGISTRY_LISTENING = "ckptpilot peer registry listening on "
+RESERVE_BYTES = 3 * 2**30  # left available to the other users of this host
 DATA_SHARDS = 3
 SYNTHETIC_WRITERS = 2
 log = logging.getLogger("peer_churn")
@@ -139,6 +140,10 @@ class Slot:
         return self.proc is not None and self.proc.poll() is None
 
 
+class HostFull(RuntimeError):
+    """The next daemons would not fit in this host's available memory."""
+
+
 class Cluster:
     """A ``ckptpilot peer registry`` of ``capacity`` daemon nodes (plus the synthetic
     writers' nodes) and the daemons. Every process is spawned on one spawner thread (their
@@ -178,10 +183,32 @@ class Cluster:
             s.port = int(_read_line(s.proc, LISTENING, 300, s.log_path).rsplit(":", 1)[1])
         return time.perf_counter() - t0
 
-    def grow(self, n: int) -> float:
-        new = [Slot(k, self.workdir / f"daemon-{k}.log") for k in range(len(self.slots), n)]
-        self.slots += new
-        return self.start(new)
+    def grow(self, n: int, *, batch: int = 8, reserve_bytes: int = RESERVE_BYTES) -> float:
+        """Add daemons up to ``n``, ``batch`` at a time; before each batch, :class:`HostFull`
+        if this host would be left with less than ``reserve_bytes`` of available memory (it
+        is shared: others' use changes while the daemons start). Returns the seconds."""
+        t0 = time.perf_counter()
+        while len(self.slots) < n:
+            k0 = len(self.slots)
+            new = [Slot(k, self.workdir / f"daemon-{k}.log") for k in range(k0, min(n, k0 + batch))]
+            need = len(new) * self.per_daemon_bytes() * 1.3 + reserve_bytes
+            avail = psutil.virtual_memory().available
+            if need > avail:
+                raise HostFull(f"{n - k0} more daemons do not fit: the next {len(new)} need "
+                               f"about {need / 2**30:.1f} GiB with the reserve, "
+                               f"{avail / 2**30:.1f} GiB available")
+            self.slots += new
+            self.start(new)
+        return time.perf_counter() - t0
+
+    def per_daemon_bytes(self) -> int:
+        """Unique memory of the largest running daemon (a first guess before any runs)."""
+        sizes = []
+        for s in self.slots:
+            if s.up and s.proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    sizes.append(psutil.Process(s.proc.pid).memory_full_info().uss)
+        return max(sizes, default=256 * 2**20)
 
     def endpoints(self, n: int) -> list[str]:
         return [s.endpoint for s in self.slots[:n]]
@@ -687,13 +714,6 @@ def judge(restored: int, newest: int, rec: Any, expected: dict[int, dict[str, to
 
 # ----------------------------------------------------------------------------- report
 
-def memory_per_daemon(cluster: Cluster) -> int:
-    """Unique memory of the largest running daemon (bytes), for the fit check."""
-    sizes = [psutil.Process(s.proc.pid).memory_full_info().uss for s in cluster.slots
-             if s.up and s.proc is not None]
-    return max(sizes, default=300 * 2**20)
-
-
 def report(timings: list[Timing], churns: list[ChurnResult], skipped: list[str],
            startup: dict[int, float], args: argparse.Namespace) -> bool:
     print("\n## put / fetch / list with all N daemons up (medians of "
@@ -805,19 +825,16 @@ def run_all(cluster: Cluster, workdir: Path, counts: list[int], churn_at: set[in
     skipped: list[str] = []
     startup: dict[int, float] = {}
     for n in counts:
-        if cluster.slots:
-            need = (n - len(cluster.slots)) * memory_per_daemon(cluster) * 1.3
-            avail = psutil.virtual_memory().available
-            if need > avail:
-                skipped.append(f"N={n} and above: {n - len(cluster.slots)} more daemons need "
-                               f"about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
-                break
         for s in cluster.slots:  # the previous churn left some out: bring all back
             if not s.up:
                 cluster.start([s])
-        startup[n] = cluster.grow(n)
+        try:
+            startup[n] = cluster.grow(n)
+        except HostFull as e:
+            skipped.append(f"N={n} and above: {e}")
+            break
         print(f"N={n}: daemons listening ({startup[n]:.1f} s for the new ones); "
-              f"{memory_per_daemon(cluster) / 2**20:.0f} MiB unique memory per daemon",
+              f"{cluster.per_daemon_bytes() / 2**20:.0f} MiB unique memory per daemon",
               flush=True)
         time.sleep(1.5)  # a registry refresh: every node announced before the first put
         timings.append(time_put_fetch(cluster, n, args.image_mb, args.repeats))

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.crash]
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[churn.Cluster]:
     c = churn.Cluster(tmp_path_factory.mktemp("churn"), DAEMONS, mem_limit_mib=32)
     try:
-        c.grow(DAEMONS)
+        c.grow(DAEMONS, reserve_bytes=2**30)
         yield c
     finally:
         c.close()
