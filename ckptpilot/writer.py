@@ -61,7 +61,7 @@ __all__ = ["CheckpointWriter", "SaveRecord"]
 
 log = logging.getLogger("ckptpilot")
 
-PATIENCE_SECONDS = 5.0
+PATIENCE_SECONDS = 1.0
 """The least time a save may wait for idle cores before it is lifted (``_rescue``)."""
 
 
