@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ckptpilot.tiers.peer.command import add_peer_parser
 
     add_peer_parser(sub)
+    from ckptpilot.simulate.command import add_simulate_parser
+
+    add_simulate_parser(sub)
     fit = sub.add_parser("fit", help="fault-injection suite: kill, corrupt and restore a small "
                          "job under your policy; exit 0 only when every scenario passes")
     fit.add_argument("--config", type=Path, default=None,
@@ -115,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             from ckptpilot.tiers.peer.command import run_peer_command
 
             return run_peer_command(args)
+        if args.command == "simulate":
+            from ckptpilot.simulate.command import run_simulate
+
+            return run_simulate(args)
         if args.command == "demo":
             return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
         if args.command == "fit":
