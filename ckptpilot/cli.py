@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="re-verify and report only; mark nothing (read-only)")
     rep = run_parser("report", "the run's goodput from its records: time lost to failures, "
                      "recovery and checkpointing, checkpoints, bytes, MTBF")
-    rep.add_argument("--json", action="store_true", help="print the JSON document, not the table")
+    rep_out = rep.add_mutually_exclusive_group()
+    rep_out.add_argument("--json", action="store_true",
+                         help="print the JSON document, not the table")
+    rep_out.add_argument("--predict", action="store_true",
+                         help="also print the simulator's goodput for this run's own size, "
+                         "costs and MTBF beside the measured one (docs/operations/simulate.md)")
     rep.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                      help="also show every duration in GPU-hours for N GPUs")
     rep.add_argument("--no-tensorboard", action="store_true",
@@ -143,8 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from ckptpilot.report import run_report
 
-            return run_report(policy, out, as_json=args.json, gpus=args.gpus,
-                              tensorboard=not args.no_tensorboard)
+            rc = run_report(policy, out, as_json=args.json, gpus=args.gpus,
+                            tensorboard=not args.no_tensorboard)
+            if args.predict:
+                from ckptpilot.report import build_report, read_records
+                from ckptpilot.simulate.validate import format_prediction
+
+                out.write(format_prediction(build_report(read_records(policy)),
+                                            gpus=args.gpus or 1))
+            return rc
         return runops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
     except (CkptPilotError, DemoError) as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)

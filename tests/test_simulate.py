@@ -197,7 +197,8 @@ def test_cli_exit_codes_and_messages(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "| 1024 | 30.0 | adaptive + peers |" in out
     for name in ("ettr_by_gpus_mtbf30.png", "ettr_by_mtbf_1024.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main([*args[:-2], "--json"]) == 0
+    assert main(["simulate", "--profile", str(PROFILE), "--trace", str(TRACE), "--gpus", "64",
+                 "--mtbf-minutes", "60", "--days", "0.5", "--seeds", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["label"] for r in rows} >= {"young_daly", "adaptive + peers"}
     bad = _write(tmp_path, {"format": "ckptpilot-cost-profile/1"})
@@ -208,3 +209,17 @@ def test_cli_exit_codes_and_messages(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["simulate", "--profile", str(PROFILE),
                  "--trace", str(tmp_path / "missing.csv")]) == 2
     assert "missing.csv" in capsys.readouterr().err
+
+
+def test_replay_of_a_run_predicts_its_lost_steps_and_overhead_from_per_event_costs() -> None:
+    from ckptpilot.simulate.validate import RunCosts, replay
+
+    run = RunCosts(gpus=1, step_seconds=0.01, stall_seconds=0.1, background_seconds=0.0,
+                   interval_steps=100, down_seconds=5.0)
+    # A save every 1 s of training (100 steps) costs 0.1 s: saves end at 1.1, 2.2, 3.3 s of
+    # the life; a kill at 3.0 s loses 0.8 s = 80 steps. The second life is killed 0.5 s
+    # after its restore (50 steps, no save yet), the last one trains 2.25 s (two saves).
+    p = replay(run, [3.0, 0.5], 2.25)
+    assert p.lost_steps == pytest.approx(80 + 50)
+    assert p.saves == 4
+    assert p.overhead_seconds == pytest.approx(0.4)
