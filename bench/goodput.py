@@ -259,8 +259,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=lambda s: [int(v) for v in s.split(",")],
                         default=[1, 2])
     parser.add_argument("--kills", type=int, default=4)
-    parser.add_argument("--mean-uptime", type=float, default=4.0)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--mean-uptime", type=float, default=10.0)
+    parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--interval", type=int, default=100)
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--dir", type=Path, default=None, help="scratch parent directory")

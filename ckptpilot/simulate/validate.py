@@ -62,6 +62,7 @@ class Prediction:
     """The model's totals for a run, in the report's units."""
 
     lost_steps: float
+    productive_steps: float
     overhead_seconds: float
     saves: float
     goodput: float
@@ -75,12 +76,19 @@ def _need(value: float | None, what: str) -> float:
 
 
 def run_costs(report: GoodputReport, *, gpus: int = 1) -> RunCosts:
-    """The per-event costs of a report: median step, stall and background per save, mean
-    steps between saves, down time per failure (0 without failures)."""
-    step = _need(report.step_seconds, "the step time (heartbeats)")
+    """The per-event costs of a report: mean step time, stall and background per save, mean
+    steps between saves, down time per failure (0 without failures).
+
+    The step time is the mean over the up time less the stalls, not the report's median:
+    saves are spaced in steps, so it is the mean that sets how much wall time lies between
+    them (on a loaded machine the two differ by 2x and more).
+    """
     stall = _need(report.stall_seconds, "the stall of its saves")
     saves = _need(report.saves, "a save")
     trained = _need(report.steps_trained, "the steps trained")
+    step = ((report.up_seconds - stall) / trained
+            if report.up_seconds is not None and report.up_seconds > stall
+            else _need(report.step_seconds, "the step time (heartbeats)"))
     background = (report.background_seconds or 0.0) / saves
     down = ((report.down_after_failures_seconds or 0.0) / report.interruptions
             if report.interruptions else 0.0)
@@ -91,6 +99,7 @@ def run_costs(report: GoodputReport, *, gpus: int = 1) -> RunCosts:
 
 def _prediction(costs: RunCosts, out: Outcome) -> Prediction:
     return Prediction(lost_steps=sum(out.lost_work_seconds.values()) / costs.step_seconds,
+                      productive_steps=out.productive_seconds / costs.step_seconds,
                       overhead_seconds=out.overhead_seconds,
                       saves=float(sum(out.saves.values())), goodput=out.ettr)
 
@@ -122,6 +131,7 @@ def expected(costs: RunCosts, *, mtbf_seconds: float, wall_seconds: float, seeds
                                         horizon_seconds=wall_seconds, peer=False, seed=s,
                                         max_pending=max_pending)) for s in range(seeds)]
     return Prediction(lost_steps=fmean(p.lost_steps for p in runs),
+                      productive_steps=fmean(p.productive_steps for p in runs),
                       overhead_seconds=fmean(p.overhead_seconds for p in runs),
                       saves=fmean(p.saves for p in runs),
                       goodput=fmean(p.goodput for p in runs))
@@ -137,16 +147,19 @@ def format_prediction(report: GoodputReport, *, gpus: int = 1, seeds: int = 200)
                               "against; the simulator needs the run's failure rate")
     p = expected(costs, mtbf_seconds=report.mtbf_seconds, wall_seconds=wall, seeds=seeds)
     measured = report.goodput_fraction
+    # The report's goodput is productive steps x its median step time / wall: the same here.
+    predicted = p.productive_steps * (report.step_seconds or costs.step_seconds) / wall
     lines = [
         "",
         f"simulator (ckptpilot simulate's model, {seeds} seeds of {wall:.0f} s, exponential "
         f"failures at the run's MTBF {report.mtbf_seconds:.0f} s, its own per-event costs: "
-        f"step {costs.step_seconds:.4g} s, stall {costs.stall_seconds:.4g} s and background "
+        f"mean step {costs.step_seconds:.4g} s, stall {costs.stall_seconds:.4g} s and background "
         f"{costs.background_seconds:.4g} s per save, a save every {costs.interval_steps:.1f} "
         f"steps, {costs.down_seconds:.3g} s down per failure)",
         "",
         "                       measured    predicted",
-        f"goodput                {_pct(measured):>8}    {_pct(p.goodput):>8}",
+        f"goodput                {_pct(measured):>8}    {_pct(predicted):>8}",
+        f"productive steps       {report.steps_productive or 0:>8}    {p.productive_steps:>8.1f}",
         f"steps lost             {report.steps_lost_to_failures:>8}    {p.lost_steps:>8.1f}",
         f"stall seconds          {report.stall_seconds or 0:>8.3f}    {p.overhead_seconds:>8.3f}",
         f"saves                  {report.saves:>8}    {p.saves:>8.1f}",
