@@ -29,6 +29,7 @@ Usage: ``PYTHONPATH=. .venv/bin/python bench/goodput.py [--profile FILE] [--trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,6 +43,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import psutil
 
 from ckptpilot import load_policy
 from ckptpilot.report import build_report, read_records
@@ -144,6 +147,22 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the job: its process group and every descendant (torchrun starts each rank in
+    a session of its own, out of reach of a group kill)."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait()
+    psutil.wait_procs(children, timeout=30)
+
+
 def one_life(cmd: list[str], out: Path, uptime: float | None, log) -> tuple[float, bool]:
     """Start the job, wait for its restore, let it train ``uptime`` s, SIGKILL its process
     group (``None``: let it finish). Returns (seconds it trained after restoring, finished)."""
@@ -165,14 +184,12 @@ def one_life(cmd: list[str], out: Path, uptime: float | None, log) -> tuple[floa
             proc.wait(timeout=uptime)
             return time.monotonic() - restored_at, True
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
             killed_at = time.monotonic()
-            proc.wait()
+            kill_job(proc)
             return killed_at - restored_at, False
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_job(proc)
 
 
 def validate_world(world: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -205,43 +222,50 @@ def rel(pred: float, meas: float) -> str:
     return "-" if meas == 0 else f"{pred / meas - 1:+.1%}"
 
 
+def print_world(r: dict) -> None:
+    rep, p, e = r["report"], r["replay"], r["expected"]
+    for name, meas, pr, ex in (
+            ("steps lost", rep.steps_lost_to_failures, p.lost_steps, e.lost_steps),
+            ("stall s (overhead)", rep.stall_seconds or 0.0, p.overhead_seconds,
+             e.overhead_seconds),
+            ("saves", rep.saves, p.saves, e.saves)):
+        ok = meas and abs(pr / meas - 1) <= TOLERANCE
+        print(f"| {r['world']} | {name} | {meas:.3f} | {pr:.3f} | {rel(pr, meas)} | "
+              f"{ex:.3f} | {rel(ex, meas)} | {'yes' if ok else '**no**'} |", flush=True)
+
+
+def describe_world(r: dict) -> str:
+    c, rep = r["costs"], r["report"]
+    return (f"- {r['world']} process(es): uptimes before the kills "
+            f"{', '.join(f'{u:.2f}' for u in r['uptimes'])} s, last life {r['tail']:.2f} s; "
+            f"per-event costs from the report: mean step {c.step_seconds:.4g} s (median "
+            f"{rep.step_seconds or 0:.4g} s), stall {c.stall_seconds:.4g} s and background "
+            f"{c.background_seconds:.4g} s per save, a save every {c.interval_steps:.1f} steps "
+            f"trained; {rep.interruptions} interruptions, MTBF {rep.mtbf_seconds or 0:.1f} s, "
+            f"down {c.down_seconds:.1f} s per failure")
+
+
 def validation_section(args: argparse.Namespace) -> None:
     print(f"## 4. Validation against real kills (python -m ckptpilot.fit.job, a save every "
           f"{args.interval} steps, {args.steps} steps, {args.kills} SIGKILLs of the whole job "
           f"after exponential uptimes of mean {args.mean_uptime:g} s, seed {args.seed})\n")
-    workdir = Path(tempfile.mkdtemp(prefix="goodput-", dir=args.dir))
-    results = []
-    try:
-        for world in args.worlds:
-            print(f"running {world} process(es) ...", file=sys.stderr, flush=True)
-            results.append(validate_world(world, args, workdir))
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     print("| processes | figure | measured (ckptpilot report) | predicted, kills replayed | "
           "error | predicted, exponential at the run's MTBF (mean of 200) | error | within "
           f"{TOLERANCE:.0%} (replayed) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---|")
-    for r in results:
-        rep, p, e = r["report"], r["replay"], r["expected"]
-        for name, meas, pr, ex in (
-                ("steps lost", rep.steps_lost_to_failures, p.lost_steps, e.lost_steps),
-                ("stall s (overhead)", rep.stall_seconds or 0.0, p.overhead_seconds,
-                 e.overhead_seconds),
-                ("saves", rep.saves, p.saves, e.saves)):
-            ok = meas and abs(pr / meas - 1) <= TOLERANCE
-            print(f"| {r['world']} | {name} | {meas:.3f} | {pr:.3f} | {rel(pr, meas)} | "
-                  f"{ex:.3f} | {rel(ex, meas)} | {'yes' if ok else '**no**'} |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="goodput-", dir=args.dir))
+    notes = []
+    try:
+        for world in args.worlds:
+            print(f"running {world} process(es) ...", file=sys.stderr, flush=True)
+            result = validate_world(world, args, workdir)
+            print_world(result)
+            notes.append(describe_world(result))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
     print()
-    for r in results:
-        c, rep = r["costs"], r["report"]
-        print(f"- {r['world']} process(es): uptimes before the kills "
-              f"{', '.join(f'{u:.2f}' for u in r['uptimes'])} s, last life {r['tail']:.2f} s; "
-              f"per-event costs from the report: step {c.step_seconds:.4g} s, stall "
-              f"{c.stall_seconds:.4g} s and background {c.background_seconds:.4g} s per save, "
-              f"a save every {c.interval_steps:.1f} steps trained; measured goodput "
-              f"{rep.goodput_fraction or 0:.1%}, {rep.interruptions} interruptions, "
-              f"MTBF {rep.mtbf_seconds or 0:.1f} s")
+    print("\n".join(notes))
     print()
 
 
