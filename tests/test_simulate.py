@@ -223,3 +223,34 @@ def test_replay_of_a_run_predicts_its_lost_steps_and_overhead_from_per_event_cos
     assert p.lost_steps == pytest.approx(80 + 50)
     assert p.saves == 4
     assert p.overhead_seconds == pytest.approx(0.4)
+
+
+def _report(**figures: object):
+    from ckptpilot.report import GoodputReport
+
+    blank = {f.name: None for f in dataclasses.fields(GoodputReport)}
+    return GoodputReport(**{**blank, **figures})
+
+
+def test_report_predict_prints_the_model_beside_the_measured_run() -> None:
+    from ckptpilot.simulate.validate import PredictionError, format_prediction
+
+    run = _report(step_seconds=0.01, up_seconds=120.0, stall_seconds=2.0, saves=20,
+                  steps_trained=10_000, steps_productive=9_700, steps_lost_to_failures=300,
+                  background_seconds=4.0, down_after_failures_seconds=30.0, interruptions=3,
+                  mtbf_seconds=40.0, wall_seconds=150.0, goodput_fraction=0.65)
+    text = format_prediction(run, seeds=20)
+    assert "measured    predicted" in text
+    assert "steps lost                  300" in text
+    assert "mean step 0.0118 s" in text  # (120 - 2) s over 10,000 steps
+    with pytest.raises(PredictionError, match="MTBF unknown"):
+        format_prediction(dataclasses.replace(run, mtbf_seconds=None))
+    with pytest.raises(PredictionError, match="a save"):
+        format_prediction(dataclasses.replace(run, saves=0))
+
+
+def test_report_refuses_json_with_predict(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["report", "--json", "--predict"])
+    assert done.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
