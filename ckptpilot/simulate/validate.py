@@ -15,7 +15,7 @@ the run made, which the model has to get right on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
 
@@ -25,6 +25,7 @@ from ckptpilot.simulate.costs import TierCosts
 from ckptpilot.simulate.failures import Failure, FailureKind, FailureModel
 from ckptpilot.simulate.model import Outcome, simulate
 from ckptpilot.simulate.schedules import fixed_schedule
+from ckptpilot.storage.metadata import CheckpointRow
 
 __all__ = ["Prediction", "RunCosts", "expected", "replay", "run_costs"]
 
@@ -75,9 +76,28 @@ def _need(value: float | None, what: str) -> float:
     return value
 
 
-def run_costs(report: GoodputReport, *, gpus: int = 1) -> RunCosts:
+def durable_lag_seconds(rows: Iterable[CheckpointRow]) -> float | None:
+    """Mean seconds from a save's start until every rank holds it (what a restore needs:
+    a step not held by every rank is skipped), from each row's start and its own stall,
+    write and validate seconds; None without timed rows."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for row in rows:
+        parts = (row.seconds_snapshot, row.seconds_write, row.seconds_validate)
+        if any(p is None for p in parts):
+            continue
+        end = row.created_at + sum(parts)  # type: ignore[arg-type]
+        starts[row.step] = min(starts.get(row.step, row.created_at), row.created_at)
+        ends[row.step] = max(ends.get(row.step, end), end)
+    return fmean(ends[s] - starts[s] for s in ends) if ends else None
+
+
+def run_costs(report: GoodputReport, *, gpus: int = 1,
+              rows: Iterable[CheckpointRow] | None = None) -> RunCosts:
     """The per-event costs of a report: mean step time, stall and background per save, mean
-    steps between saves, down time per failure (0 without failures).
+    steps between saves, down time per failure (0 without failures). With the run's
+    ``rows``, the background time is the lag until every rank holds a save
+    (:func:`durable_lag_seconds`) less the stall: the slowest rank sets it.
 
     The step time is the mean over the up time less the stalls, not the report's median:
     saves are spaced in steps, so it is the mean that sets how much wall time lies between
@@ -90,6 +110,9 @@ def run_costs(report: GoodputReport, *, gpus: int = 1) -> RunCosts:
             if report.up_seconds is not None and report.up_seconds > stall
             else _need(report.step_seconds, "the step time (heartbeats)"))
     background = (report.background_seconds or 0.0) / saves
+    lag = durable_lag_seconds(rows) if rows is not None else None
+    if lag is not None:
+        background = max(0.0, lag - stall / saves)
     down = ((report.down_after_failures_seconds or 0.0) / report.interruptions
             if report.interruptions else 0.0)
     return RunCosts(gpus=gpus, step_seconds=step, stall_seconds=stall / saves,
