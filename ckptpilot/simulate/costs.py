@@ -118,6 +118,9 @@ class TierCosts:
     hang_detect_seconds: float
     preemption_notice_seconds: float
     group_size: int
+    first_save_extra_seconds: float = 0.0
+    """Added to the time to durable of the first save after every start or restore (a
+    validation worker starting, buffers allocated); 0 unless measured."""
 
 
 def load_profile(path: Path) -> CostProfile:

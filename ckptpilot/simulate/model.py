@@ -60,6 +60,9 @@ class Outcome:
     failures: Counter[str] = field(default_factory=Counter)
     restores: Counter[str] = field(default_factory=Counter)
     saves: Counter[str] = field(default_factory=Counter)
+    kept_stalls: list[float] = field(default_factory=list)
+    """The stall of each save of the final timeline (saves in rolled-back work left out):
+    what a run's records hold, one row per step."""
 
     @property
     def ettr(self) -> float:
@@ -115,9 +118,11 @@ class _Run:
         self.newest: dict[str, _Checkpoint] = {}
         self.pending: dict[str, deque[_Checkpoint]] = {_PEER: deque(), _REMOTE: deque()}
         self.node_losses: list[tuple[float, tuple[int, ...]]] = []
+        self.timeline: list[tuple[float, float]] = []  # (progress, stall) of each save
         self._restart_schedule()
 
     def _restart_schedule(self) -> None:
+        self.first_save = True
         self.plan = self.schedule.play()
         self._next_save()
 
@@ -154,9 +159,13 @@ class _Run:
             self.t += wait + stall
             self.out.overhead_seconds += wait + stall
             start = max(self.t, queue[-1].durable_at) if queue else self.t
+            if self.first_save:
+                durable += c.first_save_extra_seconds
+                self.first_save = False
             queue.append(_Checkpoint(self.progress, tier, self.t - stall,
                                      start + durable - stall))
             self.out.saves[tier] += 1
+            self.timeline.append((self.progress, wait + stall))
             self._next_save()
 
     def _emergency_save(self, failure: Failure) -> None:
@@ -222,6 +231,7 @@ class _Run:
         out.down_seconds[kind] = out.down_seconds.get(kind, 0.0) + down
         self.t += down
         self.progress = restored
+        self.timeline = [(p, st) for p, st in self.timeline if p <= restored]
         keep_from = min((ck.written_at for ck in self.newest.values()), default=self.t)
         self.node_losses = [(at, n) for at, n in self.node_losses if at >= keep_from]
         self._restart_schedule()
@@ -256,4 +266,5 @@ def simulate(costs: TierCosts, schedule: Schedule, failures: FailureModel | Sequ
             break
         run.fail(failure)
     run.out.productive_seconds = run.progress
+    run.out.kept_stalls = [st for _, st in run.timeline]
     return run.out

@@ -44,6 +44,7 @@ class RunCosts:
     background_seconds: float
     interval_steps: float
     down_seconds: float
+    first_save_extra_seconds: float = 0.0
 
     def tier_costs(self) -> TierCosts:
         """The run as a one-node job: every save to the remote tier, restores in the down
@@ -55,7 +56,8 @@ class RunCosts:
                          remote_durable_seconds=durable, peer_restore_seconds=0.0,
                          peer_rebuild_seconds=0.0, remote_restore_seconds=0.0,
                          relaunch_seconds=self.down_seconds, node_replace_seconds=0.0,
-                         hang_detect_seconds=0.0, preemption_notice_seconds=0.0, group_size=2)
+                         hang_detect_seconds=0.0, preemption_notice_seconds=0.0, group_size=2,
+                         first_save_extra_seconds=self.first_save_extra_seconds)
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,10 @@ def _need(value: float | None, what: str) -> float:
     return value
 
 
-def durable_lag_seconds(rows: Iterable[CheckpointRow]) -> float | None:
-    """Mean seconds from a save's start until every rank holds it (what a restore needs:
-    a step not held by every rank is skipped), from each row's start and its own stall,
-    write and validate seconds; None without timed rows."""
+def _lags(rows: Iterable[CheckpointRow]) -> dict[int, float]:
+    """Per step: seconds from the save's start until every rank holds it (a restore skips a
+    step not held by every rank), from each row's start and its own stall, write and
+    validate seconds; untimed rows are left out."""
     starts: dict[int, float] = {}
     ends: dict[int, float] = {}
     for row in rows:
@@ -89,7 +91,25 @@ def durable_lag_seconds(rows: Iterable[CheckpointRow]) -> float | None:
         end = row.created_at + sum(parts)  # type: ignore[arg-type]
         starts[row.step] = min(starts.get(row.step, row.created_at), row.created_at)
         ends[row.step] = max(ends.get(row.step, end), end)
-    return fmean(ends[s] - starts[s] for s in ends) if ends else None
+    return {s: ends[s] - starts[s] for s in ends}
+
+
+def durable_lag_seconds(rows: Iterable[CheckpointRow]) -> float | None:
+    """Mean lag until every rank holds a save, over the saves after the first; None without
+    timed rows."""
+    lags = _lags(rows)
+    rest = [lags[s] for s in sorted(lags)[1:]] or list(lags.values())
+    return fmean(rest) if rest else None
+
+
+def first_save_extra_seconds(rows: Iterable[CheckpointRow]) -> float:
+    """How much longer the first save of a life (the lowest step on record: rows of a step
+    saved again after a restore are replaced) took to be held by every rank than the others."""
+    lags = _lags(rows)
+    steps = sorted(lags)
+    if len(steps) < 2:
+        return 0.0
+    return max(0.0, lags[steps[0]] - fmean(lags[s] for s in steps[1:]))
 
 
 def run_costs(report: GoodputReport, *, gpus: int = 1,
@@ -97,7 +117,8 @@ def run_costs(report: GoodputReport, *, gpus: int = 1,
     """The per-event costs of a report: mean step time, stall and background per save, mean
     steps between saves, down time per failure (0 without failures). With the run's
     ``rows``, the background time is the lag until every rank holds a save
-    (:func:`durable_lag_seconds`) less the stall: the slowest rank sets it.
+    (:func:`durable_lag_seconds`) less the stall: the slowest rank sets it; and the first
+    save of a life pays :func:`first_save_extra_seconds` on top.
 
     The step time is the mean over the up time less the stalls, not the report's median:
     saves are spaced in steps, so it is the mean that sets how much wall time lies between
@@ -110,21 +131,24 @@ def run_costs(report: GoodputReport, *, gpus: int = 1,
             if report.up_seconds is not None and report.up_seconds > stall
             else _need(report.step_seconds, "the step time (heartbeats)"))
     background = (report.background_seconds or 0.0) / saves
-    lag = durable_lag_seconds(rows) if rows is not None else None
+    rows = list(rows) if rows is not None else []
+    lag = durable_lag_seconds(rows)
     if lag is not None:
         background = max(0.0, lag - stall / saves)
     down = ((report.down_after_failures_seconds or 0.0) / report.interruptions
             if report.interruptions else 0.0)
     return RunCosts(gpus=gpus, step_seconds=step, stall_seconds=stall / saves,
                     background_seconds=background, interval_steps=trained / saves,
-                    down_seconds=down)
+                    down_seconds=down, first_save_extra_seconds=first_save_extra_seconds(rows))
 
 
 def _prediction(costs: RunCosts, out: Outcome) -> Prediction:
+    """Stalls and saves as the run's records count them: one row per step of the final
+    timeline (a save re-done after a restore replaces the row of the rolled-back one)."""
     return Prediction(lost_steps=sum(out.lost_work_seconds.values()) / costs.step_seconds,
                       productive_steps=out.productive_seconds / costs.step_seconds,
-                      overhead_seconds=out.overhead_seconds,
-                      saves=float(sum(out.saves.values())), goodput=out.ettr)
+                      overhead_seconds=sum(out.kept_stalls),
+                      saves=float(len(out.kept_stalls)), goodput=out.ettr)
 
 
 def replay(costs: RunCosts, uptimes_seconds: Sequence[float], tail_seconds: float,
