@@ -30,7 +30,7 @@ __all__ = [
 
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16384)
 """Meta's Llama 3 pre-training: 419 unexpected interruptions in a 54-day snapshot on 16,384
-H100 GPUs ("The Llama 3 Herd of Models", arXiv:2407.21783, section 3.3.4): one per
+H100 GPUs ("The Llama 3 Herd of Models", arXiv:2407.21783): one per
 ~50,700 GPU-hours, a job MTBF of ~3.1 hours at that size."""
 
 
