@@ -1382,7 +1382,34 @@ def print_goals(items: list[Goal]) -> None:
 
 # ------------------------------------------------------------------------------- run
 
-def run(sizes: Sizes, workdir: Path) -> None:
+def cost_profile(results: dict[str, MethodResult], peer: PeerResult, hw: Hardware,
+                 runs: dict[str, list[LoopRun]], nbytes: int, sizes: Sizes) -> dict[str, Any]:
+    """The measured costs that ``ckptpilot simulate`` scales to a cluster."""
+    organ, pulse = results["pilot_organ"], results["pilot_pulse"]
+    return {
+        "format": "ckptpilot-cost-profile/1",
+        "source": {"command": shlex.join([sys.executable, *sys.argv]),
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                       timespec="seconds"),
+                   "git": git_facts(), "cpus": os.cpu_count(), "load_average": loadavg(),
+                   "gb": sizes.gb, "rounds": sizes.rounds, "quick": sizes.quick},
+        "state_bytes": nbytes,
+        "pulse_stall_seconds": pulse.stall(),
+        "pulse_durable_seconds": pulse.durable(),
+        "organ_stall_seconds": organ.stall(),
+        "organ_durable_seconds": organ.durable(),
+        "remote_restore_seconds": median(organ.cold),
+        "peer_save_seconds": peer.save.durable,
+        "peer_restore_seconds": median(peer.intact),
+        "peer_rebuild_restore_seconds": median(peer.degraded),
+        "write_fsync_seconds": hw.write_fsync,
+        "loopback_tcp_bytes_per_second": hw.tcp_gbs * 1e9,
+        "loop_step_seconds": median(r.step_median for r in runs["none"]),
+        "loop_pilot_overhead": overhead(runs, "pilot", "none"),
+    }
+
+
+def run(sizes: Sizes, workdir: Path, json_path: Path | None = None) -> None:
     header(sizes, workdir)
     layout = Layout.for_gb(sizes.gb)
     # Daemons first, before this process starts threads (they are forked with a preexec).
@@ -1419,6 +1446,10 @@ def run(sizes: Sizes, workdir: Path) -> None:
     print_training(runs, sizes, mlp_bytes, demo_bytes)
     print_goals(goals(results, profiled, hw, peer, runs, nbytes, mlp_bytes, sizes.every))
     print(f"load average at end {loadavg()}")
+    if json_path is not None:
+        profile = cost_profile(results, peer, hw, runs, nbytes, sizes)
+        json_path.write_text(json.dumps(profile, indent=2) + "\n")
+        print(f"cost profile written to {json_path}")
 
 
 def mlp_state(sizes: Sizes) -> State:
@@ -1442,6 +1473,9 @@ def main() -> None:
                         help="smoke run: tiny sizes, one round (ignores the four above)")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                         help=f"a temp dir is made (and removed) under it; default {DEFAULT_DIR}")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write the measured costs as JSON (ckptpilot simulate's "
+                        "--profile)")
     parser.add_argument("--child", choices=["profile", "tcp"], help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=PROFILE_KEYS, help=argparse.SUPPRESS)
     parser.add_argument("--saves", type=int, help=argparse.SUPPRESS)
@@ -1460,7 +1494,7 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so the daemons are stopped and the scratch dir removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with scratch_dir(args.dir, "e2e-") as workdir:
-        run(Sizes.from_args(args), workdir)
+        run(Sizes.from_args(args), workdir, args.json)
 
 
 if __name__ == "__main__":
