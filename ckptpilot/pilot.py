@@ -36,13 +36,13 @@ import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from ckptpilot.assembly import open_parts
 from ckptpilot.catalog import SaveIntent
-from ckptpilot.lifecycle import RecoveryReport
+from ckptpilot.lifecycle import RecoveryReport, hard_exit
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY
@@ -53,7 +53,7 @@ from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.steps import write_heartbeat
 from ckptpilot.storage.ledger import Rollback
-from ckptpilot.vocab import Level, RecoverySource
+from ckptpilot.vocab import ExitStatus, Level, RecoverySource, RetentionClass
 from ckptpilot.writer import SaveRecord
 
 __all__ = ["CheckpointPilot", "RecoveryReport", "RecoverySource", "SaveRecord",
@@ -115,6 +115,7 @@ class CheckpointPilot:
                                                                 parts.agreement)
             self._restorer, self._steps, self._sharded = parts.restorer, parts.steps, parts.sharded
             self._copier = parts.copier
+            self._preemption, self._watchdog = parts.preemption, parts.watchdog
             self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                           if optimizer is not None else None)
         except BaseException:
@@ -169,6 +170,7 @@ class CheckpointPilot:
             step = self.step + 1 if self._observed else self._base_step + 1
         self._observed = True
         self.step = step
+        self._watchdog.beat(step)
         if epoch is not None:
             self.epoch = epoch
         if isinstance(loss, torch.Tensor):
@@ -185,7 +187,10 @@ class CheckpointPilot:
                 # The reduction started at this step may carry the same spike from a rank
                 # that confirmed it a step later: every rank drops it, and starts afresh.
                 self._agreement.drop()
+        if self._steps.preempt:
+            self._preempt()
         self._finish(decision)
+        self._watchdog.left_boundary()
         return decision
 
     def save(self, level: str = "organ", reason: str = "manual") -> bool:
@@ -226,8 +231,13 @@ class CheckpointPilot:
         # tell the two modes apart, so hook-time decisions start at the second one.
         if not self._observed:
             self.step = self._base_step + self._optimizer_steps
+            self._watchdog.beat(self.step)
             if self._optimizer_steps >= 2:
-                self._finish(self._decide())
+                decision = self._decide()
+                if self._steps.preempt:
+                    self._preempt()
+                self._finish(decision)
+            self._watchdog.left_boundary()
 
     def _finish(self, decision: CheckpointDecision) -> None:
         self.last_decision = decision
@@ -248,6 +258,11 @@ class CheckpointPilot:
     def _save(self, intent: SaveIntent) -> bool:
         if self._last_save_step == self.step:
             return False
+        with self._watchdog.suspended():  # back-pressure waits on our own writer
+            self._save_now(intent)
+        return True
+
+    def _save_now(self, intent: SaveIntent) -> None:
         if self._sharded is not None:
             stall = self._sharded.save(intent, step=self.step, epoch=self._current_epoch(),
                                        extras=self.extras)
@@ -265,7 +280,20 @@ class CheckpointPilot:
             self._writer.submit(snapshot, plan_save(intent, self.policy), stall)
         self._steps.note_stall(stall)
         self._last_save_step = self.step
-        return True
+
+    def _preempt(self) -> NoReturn:
+        """Honour a preemption notice at this step boundary (``preemption``) and end the
+        process: ``SystemExit(75)`` after a clean close once the emergency organ is durable,
+        else at once with status 76, without waiting for the writer (the platform's SIGKILL
+        is near)."""
+        with self._watchdog.suspended():
+            status = self._preemption.honour(self.step, lambda: self._save(SaveIntent(
+                Level.ORGAN.value, "preemption notice", RetentionClass.IMPORTANT.value)))
+        if status is not ExitStatus.PREEMPTED:
+            self._heartbeat.flush()
+            hard_exit(status)
+        self.close(save=False)
+        raise SystemExit(int(status))
 
     def _current_epoch(self) -> int | None:
         if self.epoch is not None:
@@ -294,7 +322,8 @@ class CheckpointPilot:
         rollback returned to skips its batches again.
         """
         self._check_open()
-        restored = self._restore(step)
+        with self._watchdog.suspended():
+            restored = self._restore(step)
         assert restored is not None
         return restored
 
@@ -353,7 +382,8 @@ class CheckpointPilot:
 
     def flush(self) -> None:
         """Wait for every pending save; raises the first background error."""
-        self._writer.flush()
+        with self._watchdog.suspended():
+            self._writer.flush()
 
     def close(self, save: bool = True) -> None:
         """Save the last observed step (unless ``save=False`` or it is saved already), wait
@@ -362,6 +392,7 @@ class CheckpointPilot:
         after them. The final save makes a finished run restore to its end, 0 steps lost."""
         if self._closed:
             return
+        self._watchdog.close()  # a final save's wait is no hang
         if save and self.step > self._base_step:
             try:
                 self._writer.raise_errors()

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,6 +228,12 @@ class CheckpointWriter:
             for job in list(self._jobs):
                 job.future.exception()
         self.raise_errors()
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """Wait up to ``timeout_seconds`` for every queued job; True when all are done. Their
+        errors stay for :meth:`raise_errors` (a preemption's deadline must not wait longer)."""
+        pending = [job.future for job in self._jobs]
+        return not futures.wait(pending, timeout=timeout_seconds).not_done
 
     def shutdown(self) -> None:
         self._executor.shutdown()
