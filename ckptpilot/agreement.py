@@ -3,9 +3,10 @@
 This module owns :class:`RankAgreement`, the pilot's only collectives. Per step, one tiny
 non-blocking all-reduce (element-wise max of the signals and costs, whether any rank got a
 preemption notice, and the earliest spike onset any rank confirmed) is started at step t and
-consumed at step t + 1, so all ranks take the same decision without a barrier; a policy whose extra signals combine by sum adds a second
-one, for those. Which signals there are, and how each combines, is the scheduler's
-:class:`~ckptpilot.scheduler.signal.SignalLayout`: nothing here names a signal. At restore,
+consumed at step t + 1, so all ranks take the same decision without a barrier; a policy whose
+extra signals combine by sum adds a second one, for those. Which signals there are, and how
+each combines, is the scheduler's :class:`~ckptpilot.scheduler.signal.SignalLayout`: nothing
+here names a signal. At restore,
 one all-gather of each rank's newest candidate steps and one all-reduce (minimum) per step
 tried, so every rank loads the same step or every rank raises.
 

@@ -14,6 +14,7 @@ also from the hang watchdog's thread while the training thread is stuck.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -107,13 +108,9 @@ def hard_exit(status: int) -> NoReturn:
     shutdown would wait for those threads. What they leave half-written is what a kill
     leaves, which every format here survives."""
     for handler in logging.getLogger().handlers + logging.getLogger("ckptpilot").handlers:
-        try:
+        with contextlib.suppress(Exception):  # nothing is left to report it to
             handler.flush()
-        except Exception:
-            pass
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(int(ExitStatus(status)))

@@ -206,8 +206,9 @@ class FailureLedger:
         uptime = _duration(uptime_seconds)
         if self._started_monotonic is not None:
             uptime = time.monotonic() - self._started_monotonic
-        record = Stop(wall_time=_now(None), step=int(step), cause=str(getattr(cause, "value", cause)),
-                      reason=str(reason), uptime_seconds=_duration(uptime))
+        record = Stop(wall_time=_now(None), step=int(step),
+                      cause=str(getattr(cause, "value", cause)), reason=str(reason),
+                      uptime_seconds=_duration(uptime))
         fields = dataclasses.asdict(record)
         if record.uptime_seconds is None:
             del fields["uptime_seconds"]
