@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from helpers import assert_states_bit_equal
+from helpers import assert_states_bit_equal, start_ddp_ranks
 
 from ckptpilot import CheckpointPilot
 from ckptpilot.policy import Policy, PreemptionPolicy
@@ -218,3 +218,54 @@ def test_stop_records_parse_and_count_in_the_mtbf_only_for_hangs(tmp_path: Path)
     assert [(s.step, s.cause) for s in ledger.stops()] == [(50, "preemption"), (90, "hang")]
     lines = [json.loads(line) for line in ledger.path.read_text().splitlines()]
     assert lines[1]["kind"] == "stop" and lines[1]["cause"] == "preemption"
+
+
+def _ddp_config(tmp: Path) -> Path:
+    cfg = tmp / "policy.yaml"
+    cfg.write_text(
+        "scheduler: {base_interval: 10, min_interval: 1, max_interval: 500, young_daly: false,\n"
+        "  weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0},\n"
+        "  organ_every: 100}\n"
+        "validation: {load_test: none}\n"
+        "observability: {tensorboard: false, decision_log: false}\n"
+        "retention: {auto: false}\n"
+        "preemption: {grace_seconds: 120}\n")
+    return cfg
+
+
+def _communicate(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
+    try:
+        return [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_a_notice_to_one_rank_stops_both_at_the_same_step_and_both_resume_bit_exactly(
+        tmp_path: Path) -> None:
+    """Rank 0 alone gets SIGTERM in the middle of loop step 15 (pilot step 16); the notice
+    travels with step 16's agreement, so both ranks save pilot step 17 and exit 75."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    procs = start_ddp_ranks(ref, _ddp_config(ref), 30)
+    outs = _communicate(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs
+
+    cfg = _ddp_config(tmp_path)
+    procs = start_ddp_ranks(tmp_path, cfg, 30, ["--notice-at-step", "15"], [])
+    outs = _communicate(procs)
+    assert [p.returncode for p in procs] == [ExitStatus.PREEMPTED] * 2, outs
+    assert "rank 0 got SIGTERM; saving an emergency organ of step 17" in outs[0][1]
+    assert ("rank 1 got a preemption notice on another rank; saving an emergency organ of "
+            "step 17") in outs[1][1]
+    for r in (0, 1):
+        stops = FailureLedger(tmp_path / "run" / f"ledger_rank_{r:05d}.jsonl").stops()
+        assert [(s.step, s.cause) for s in stops] == [(17, "preemption")]
+
+    procs = start_ddp_ranks(tmp_path, cfg, 30)
+    outs = _communicate(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("RESUMED 17" in out for out, _ in outs)
+    for r in (0, 1):
+        assert_states_bit_equal(safetensors.torch.load_file(tmp_path / f"final{r}"),
+                                safetensors.torch.load_file(ref / f"final{r}"))

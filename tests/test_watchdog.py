@@ -1,18 +1,16 @@
 """The hang watchdog: its bound, its thread in this process, and two real gloo ranks of which
-one is SIGSTOPped mid-step (tests/hangjob.py): the other exits 77, the restart is bit-exact."""
+one is SIGSTOPped mid-step (tests/ddpjob.py): the other exits 77, the restart is bit-exact."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import safetensors.torch
-from helpers import assert_states_bit_equal
+from helpers import assert_states_bit_equal, start_ddp_ranks
 
 from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy, WatchdogPolicy
@@ -22,7 +20,6 @@ from ckptpilot.storage.ledger import FailureLedger
 from ckptpilot.vocab import ExitStatus
 from ckptpilot.watchdog import HangWatchdog, hang_bound_seconds
 
-JOB = Path(__file__).with_name("hangjob.py")
 STEPS = 40
 SAFETY_NET_SECONDS = 240  # how long a test waits for an exit the bound promises far sooner
 
@@ -100,12 +97,6 @@ def test_nothing_fires_before_the_first_step_nor_while_suspended(tmp_path: Path)
 # -- two real ranks ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _config(tmp: Path) -> Path:
     cfg = tmp / "policy.yaml"
     cfg.write_text(
@@ -118,15 +109,6 @@ def _config(tmp: Path) -> Path:
         # A floor far above any step of this job on a loaded machine: a safety net, not a race.
         "watchdog: {enabled: true, step_time_multiple: 50, min_seconds: 10}\n")
     return cfg
-
-
-def _start(tmp: Path, cfg: Path, port: int, *extra: list[str]) -> list[subprocess.Popen[str]]:
-    return [subprocess.Popen([sys.executable, str(JOB), "--rank", str(r), "--port", str(port),
-                              "--run-dir", str(tmp / "run"), "--config", str(cfg),
-                              "--steps", str(STEPS), "--final", str(tmp / f"final{r}"),
-                              *extra[r]],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in (0, 1)]
 
 
 def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
@@ -145,10 +127,10 @@ def test_a_stopped_rank_makes_the_other_exit_77_and_the_restart_is_bit_exact(
         tmp_path: Path) -> None:
     ref = tmp_path / "reference"
     ref.mkdir()
-    _finish(_start(ref, _config(ref), _free_port(), [], []))
+    _finish(start_ddp_ranks(ref, _config(ref), STEPS))
 
     cfg = _config(tmp_path)
-    procs = _start(tmp_path, cfg, _free_port(), [], ["--stop-at-step", "25"])
+    procs = start_ddp_ranks(tmp_path, cfg, STEPS, [], ["--stop-at-step", "25"])
     try:
         _, err0 = procs[0].communicate(timeout=SAFETY_NET_SECONDS)
         assert procs[0].returncode == ExitStatus.HANG == 77, err0
@@ -163,7 +145,7 @@ def test_a_stopped_rank_makes_the_other_exit_77_and_the_restart_is_bit_exact(
     ledger = FailureLedger(tmp_path / "run" / "ledger_rank_00000.jsonl")
     assert [(s.step, s.cause) for s in ledger.stops()] == [(25, "hang")]
 
-    outs = _finish(_start(tmp_path, cfg, _free_port(), [], []))
+    outs = _finish(start_ddp_ranks(tmp_path, cfg, STEPS))
     assert all("RESUMED 20" in out for out, _ in outs)
     for r in (0, 1):
         assert_states_bit_equal(safetensors.torch.load_file(tmp_path / f"final{r}"),

@@ -1,10 +1,13 @@
-"""One rank of tests/test_watchdog.py's two-rank (gloo) hang test.
+"""One rank of the two-rank (gloo) tests of the hang watchdog (tests/test_watchdog.py) and of
+a preemption notice (tests/test_preemption.py).
 
 Data-parallel training by hand: both ranks start from the same model, compute gradients on
 their own data, average them with an all-reduce (the collective a dead peer hangs), step and
 observe. ``--stop-at-step S`` makes this rank SIGSTOP itself in the middle of step S, before
-the all-reduce: the other rank then waits in it forever, unless its watchdog ends it. At the
-end the model and optimizer state go to ``--final`` (safetensors + JSON).
+the all-reduce: the other rank then waits in it forever, unless its watchdog ends it.
+``--notice-at-step S`` makes this rank send itself SIGTERM there instead: a notice the other
+rank never gets. At the end the model and optimizer state go to ``--final`` (safetensors +
+JSON).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--final", required=True)
     p.add_argument("--stop-at-step", type=int)
+    p.add_argument("--notice-at-step", type=int)
     a = p.parse_args()
     # gloo's own timeout is far above the watchdog's bound: the watchdog must be what ends it.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
@@ -50,6 +54,8 @@ def main() -> None:
         if a.stop_at_step == step:
             print(f"STOPPING {step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if a.notice_at_step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
         for param in model.parameters():
             assert param.grad is not None
             dist.all_reduce(param.grad)
