@@ -191,6 +191,35 @@ def test_handlers_are_chained_and_put_back_on_close(tmp_path: Path) -> None:
         signal.signal(signal.SIGUSR2, previous)
 
 
+def test_a_loop_without_observe_is_stopped_at_the_optimizer_step(tmp_path: Path) -> None:
+    pilot, opt = _pilot(tmp_path, signals=["SIGUSR2"])
+    params = opt.param_groups[0]["params"]
+
+    def train_step() -> None:
+        opt.zero_grad()
+        sum(p.sum() for p in params).backward()
+        opt.step()
+
+    train_step()
+    train_step()  # hook-mode boundaries start at the second optimizer step
+    signal.raise_signal(signal.SIGUSR2)
+    with pytest.raises(SystemExit) as stopped:
+        train_step()
+    assert stopped.value.code == ExitStatus.PREEMPTED
+    with pytest.raises(RuntimeError, match="closed"):
+        pilot.observe()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL  # closed: put back
+    saved = [p.detach().clone() for p in params]
+
+    again, again_opt = _pilot(tmp_path, signals=["SIGUSR2"])
+    assert again.restore() == 3
+    rec = again.last_recovery
+    assert rec is not None and rec.level == "organ"  # no heartbeats without observe()
+    for a, b in zip(saved, again_opt.param_groups[0]["params"], strict=True):
+        assert torch.equal(a.view(torch.int32), b.detach().view(torch.int32))
+    again.close(save=False)
+
+
 def test_disabled_or_off_the_main_thread_installs_nothing(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     before = signal.getsignal(signal.SIGTERM)
