@@ -25,7 +25,7 @@ from ckptpilot.errors import CkptPilotError
 from ckptpilot.scheduler.signal import SignalLayout
 from ckptpilot.scheduler.spike import Spike
 
-__all__ = ["COST_KEYS", "AnotherRankFailed", "RankAgreement"]
+__all__ = ["COST_KEYS", "AnotherRankFailed", "RankAgreement", "process_rank_world"]
 
 COST_KEYS = ("save_seconds", "mtbf_seconds", "step_seconds")
 """The scheduler's cost model, agreed as the max over ranks (the slowest rank sets the pace)."""
@@ -38,6 +38,13 @@ _AGREE_STEPS = 32  # candidates per rank exchanged at restore (a walk tries at m
 class AnotherRankFailed(CkptPilotError, RuntimeError):
     """Raised on every rank whose own restore went fine when another rank's raised: all
     ranks stop together rather than one resuming alone or waiting in a collective."""
+
+
+def process_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size; (0, 1) without a process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def collective_device() -> torch.device:

@@ -13,11 +13,12 @@ flushed by their own thread.
 Threading and lifecycle:
 
 1. construct on the training thread (hooks the optimizer's step, and for a CUDA model the
-   forward: ``devicecopy``; starts the health-probe, telemetry and heartbeat-flush threads);
+   forward: ``devicecopy``; starts the health-probe, telemetry, heartbeat-flush and hang
+   ``watchdog`` threads; on the main thread, installs the ``preemption`` signal handlers);
 2. ``restore()`` once, before the loop;
 3. per step, ``observe()`` after ``optimizer.step()``, ``lr_scheduler.step()`` and after the
    data cursor moved — that is the step boundary at which every part of the state belongs to
-   the same step;
+   the same step, and where a preemption notice ends the run (``SystemExit(75)``);
 4. ``close()`` (or leave the ``with`` block): waits for every pending save, surfaces errors,
    records a clean end in the failure ledger.
 
@@ -36,13 +37,14 @@ import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
+from ckptpilot.agreement import process_rank_world
 from ckptpilot.assembly import open_parts
 from ckptpilot.catalog import SaveIntent
-from ckptpilot.lifecycle import RecoveryReport, hard_exit
+from ckptpilot.lifecycle import RecoveryReport
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY
@@ -53,19 +55,13 @@ from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.steps import write_heartbeat
 from ckptpilot.storage.ledger import Rollback
-from ckptpilot.vocab import ExitStatus, Level, RecoverySource, RetentionClass
+from ckptpilot.vocab import Level, RecoverySource
 from ckptpilot.writer import SaveRecord
 
 __all__ = ["CheckpointPilot", "RecoveryReport", "RecoverySource", "SaveRecord",
            "SkippedCheckpoint"]
 
 log = logging.getLogger("ckptpilot")
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 class CheckpointPilot:
@@ -90,7 +86,7 @@ class CheckpointPilot:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if optimizer is not None:
             optimizer = unwrap_optimizer(optimizer)
-        dist_rank, dist_world = _dist_rank_world()
+        dist_rank, dist_world = process_rank_world()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size
         self.components = TrainingComponents(model=model, optimizer=optimizer,
@@ -170,7 +166,6 @@ class CheckpointPilot:
             step = self.step + 1 if self._observed else self._base_step + 1
         self._observed = True
         self.step = step
-        self._watchdog.beat(step)
         if epoch is not None:
             self.epoch = epoch
         if isinstance(loss, torch.Tensor):
@@ -187,10 +182,7 @@ class CheckpointPilot:
                 # The reduction started at this step may carry the same spike from a rank
                 # that confirmed it a step later: every rank drops it, and starts afresh.
                 self._agreement.drop()
-        if self._steps.preempt:
-            self._preempt()
         self._finish(decision)
-        self._watchdog.left_boundary()
         return decision
 
     def save(self, level: str = "organ", reason: str = "manual") -> bool:
@@ -231,24 +223,25 @@ class CheckpointPilot:
         # tell the two modes apart, so hook-time decisions start at the second one.
         if not self._observed:
             self.step = self._base_step + self._optimizer_steps
-            self._watchdog.beat(self.step)
             if self._optimizer_steps >= 2:
-                decision = self._decide()
-                if self._steps.preempt:
-                    self._preempt()
-                self._finish(decision)
-            self._watchdog.left_boundary()
+                self._finish(self._decide())
 
     def _finish(self, decision: CheckpointDecision) -> None:
+        if self._steps.preempt:  # an organ of this step, then SystemExit(75) (``preemption``)
+            with self._watchdog.suspended():
+                self._preemption.honour(self.step, lambda: self._save(SaveIntent(
+                    Level.ORGAN.value, "preemption notice", "important")), self.close)
         self.last_decision = decision
         self._telemetry.decision(decision)
         if decision.save and decision.level is not None:
             self._save(SaveIntent(decision.level.value, decision.reason,
                                   decision.retention_class.value, decision.score))
+        self._watchdog.left_boundary()
 
     def _decide(self) -> CheckpointDecision:
         if not self._lifecycle.started:  # tested inline: this runs at every step
             self._lifecycle.start(self._base_step)
+        self._watchdog.beat(self.step)
         return self._steps.decide(self.step, self.last_loss)
 
     def _write_heartbeat(self) -> None:
@@ -258,42 +251,18 @@ class CheckpointPilot:
     def _save(self, intent: SaveIntent) -> bool:
         if self._last_save_step == self.step:
             return False
-        with self._watchdog.suspended():  # back-pressure waits on our own writer
-            self._save_now(intent)
-        return True
-
-    def _save_now(self, intent: SaveIntent) -> None:
         if self._sharded is not None:
             stall = self._sharded.save(intent, step=self.step, epoch=self._current_epoch(),
                                        extras=self.extras)
         else:
-            t0 = time.perf_counter()
-            self._writer.acquire_slot()
-            try:
-                snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
-                                   extras=self.extras, rank=self.rank, world_size=self.world_size,
-                                   pool=self._pool, copier=self._copier)
-            except BaseException:
-                self._writer.release_slot()
-                raise
-            stall = time.perf_counter() - t0
-            self._writer.submit(snapshot, plan_save(intent, self.policy), stall)
+            with self._watchdog.suspended():  # back-pressure: a wait on our own writer
+                stall = self._writer.capture_and_submit(lambda: capture(
+                    self.components, step=self.step, epoch=self._current_epoch(),
+                    extras=self.extras, rank=self.rank, world_size=self.world_size,
+                    pool=self._pool, copier=self._copier), plan_save(intent, self.policy))
         self._steps.note_stall(stall)
         self._last_save_step = self.step
-
-    def _preempt(self) -> NoReturn:
-        """Honour a preemption notice at this step boundary (``preemption``) and end the
-        process: ``SystemExit(75)`` after a clean close once the emergency organ is durable,
-        else at once with status 76, without waiting for the writer (the platform's SIGKILL
-        is near)."""
-        with self._watchdog.suspended():
-            status = self._preemption.honour(self.step, lambda: self._save(SaveIntent(
-                Level.ORGAN.value, "preemption notice", RetentionClass.IMPORTANT.value)))
-        if status is not ExitStatus.PREEMPTED:
-            self._heartbeat.flush()
-            hard_exit(status)
-        self.close(save=False)
-        raise SystemExit(int(status))
+        return True
 
     def _current_epoch(self) -> int | None:
         if self.epoch is not None:

@@ -13,8 +13,11 @@ goes to the remote tier), wait for every queued save — one already in flight i
 ``grace_seconds`` after the notice, and check that the organ's row is valid on the remote tier.
 The ledger gets a ``stop`` record with cause ``preemption``, which is no failure for the MTBF.
 
-It must not decide what to save or exit the process: the pilot does both, with the status
-:meth:`honour` returns (``ExitStatus.PREEMPTED`` or ``PREEMPTED_UNSAVED``).
+It must not decide what to save: the pilot hands it the save of the step, and its ``close``.
+It ends the process: ``SystemExit(75)`` (``ExitStatus.PREEMPTED``) raised after a clean close
+once the organ is valid, else ``os._exit(76)`` (``PREEMPTED_UNSAVED``) at once, without waiting
+for the writer thread: the platform's SIGKILL is near, and the heartbeats are in the page cache
+already (``storage/heartbeat.py``).
 
 Threading: construct, :meth:`honour` and :meth:`close` on the training thread. Handlers are
 installed only when that thread is the main thread (Python allows no other); a previous
@@ -30,10 +33,10 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from ckptpilot.catalog import Catalog
-from ckptpilot.lifecycle import RunLifecycle
+from ckptpilot.lifecycle import RunLifecycle, hard_exit
 from ckptpilot.policy import PreemptionPolicy
 from ckptpilot.vocab import ExitStatus, Status, StopCause, Tier
 from ckptpilot.writer import CheckpointWriter
@@ -91,10 +94,12 @@ class PreemptionGuard:
         if callable(previous):
             previous(signum, frame)
 
-    def honour(self, step: int, save: Callable[[], object]) -> ExitStatus:
-        """Save step ``step`` as an organ (``save``), wait for it until the grace period ends
-        and record the stop; the status the process must exit with. Without a notice of its
-        own (another rank got it), the grace period counts from now."""
+    def honour(self, step: int, save: Callable[[], object],
+               close: Callable[..., object]) -> NoReturn:
+        """Save step ``step`` as an organ (``save``), wait for it until the grace period ends,
+        record the stop and end the process (see the module docstring; ``close(save=False)``
+        before the ``SystemExit``). Without a notice of its own (another rank got it), the
+        grace period counts from now."""
         notice = self._notice or Notice(signal.SIGTERM, time.monotonic())
         source = (f"{notice.name}" if self._notice is not None
                   else "a preemption notice on another rank")
@@ -120,7 +125,8 @@ class PreemptionGuard:
                         "%d (ExitStatus.PREEMPTED): the restart resumes from step %d",
                         self._rank, reason, time.monotonic() - notice.monotonic,
                         ExitStatus.PREEMPTED, step)
-            return ExitStatus.PREEMPTED
+            close(save=False)
+            raise SystemExit(ExitStatus.PREEMPTED)
         point = self._newest_valid_remote(below=step)
         keeps = ("no valid checkpoint on the remote tier: the restart starts from step 0 or "
                  "from the memory/peer tiers" if point is None
@@ -131,7 +137,7 @@ class PreemptionGuard:
         log.error("PREEMPTION: rank %d: %s; exiting with status %d "
                   "(ExitStatus.PREEMPTED_UNSAVED)", self._rank, reason,
                   ExitStatus.PREEMPTED_UNSAVED)
-        return ExitStatus.PREEMPTED_UNSAVED
+        hard_exit(ExitStatus.PREEMPTED_UNSAVED)
 
     def _valid_remote(self, step: int) -> bool:
         row = self._catalog.newest_rows_by_step(Tier.REMOTE).get(step)

@@ -171,6 +171,20 @@ class CheckpointWriter:
     def release_slot(self) -> None:
         self._slots.release()
 
+    def capture_and_submit(self, take: Callable[[], Snapshot], plan: SavePlan) -> float:
+        """Wait for a slot, take the snapshot (``take``) and queue its save; returns the
+        stall the training thread paid (the wait and the copy)."""
+        t0 = time.perf_counter()
+        self.acquire_slot()
+        try:
+            snapshot = take()
+        except BaseException:
+            self.release_slot()
+            raise
+        stall = time.perf_counter() - t0
+        self.submit(snapshot, plan, stall)
+        return stall
+
     def submit(self, snapshot: Snapshot, plan: SavePlan, stall: float) -> None:
         """Queue the save of ``snapshot`` (its slot already acquired), tagged with the
         continuation it belongs to (``storage.lineage``: none before the first restore)."""
