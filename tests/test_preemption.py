@@ -28,9 +28,6 @@ JOB = Path(__file__).with_name("crashjob.py")
 STEPS = 40
 INTERVAL = 10
 
-pytestmark = pytest.mark.crash
-
-
 def _config(tmp: Path, grace_seconds: float = 120.0) -> Path:
     """A fixed interval (saves at 10, 20, 30; every one a pulse), so the recovery point of a
     preemption whose organ is too late is known."""
@@ -82,6 +79,8 @@ def _assert_finished_like(reference: dict[str, object], losses: Path, final: Pat
     assert_states_bit_equal(safetensors.torch.load_file(final), reference["final"])  # type: ignore[arg-type]
 
 
+@pytest.mark.crash
+@pytest.mark.slow
 def test_sigterm_mid_step_saves_an_organ_exits_75_and_resumes_with_no_step_lost(
         tmp_path: Path, reference: dict[str, object]) -> None:
     """SIGTERM from outside in the middle of loop step 21 (pilot step 22), while the save of
@@ -119,6 +118,8 @@ def test_sigterm_mid_step_saves_an_organ_exits_75_and_resumes_with_no_step_lost(
     assert (report.preemptions, report.hangs, report.interruptions) == (1, 0, 0)
 
 
+@pytest.mark.crash
+@pytest.mark.slow
 def test_sigusr1_sent_by_the_job_itself_is_a_notice_too(
         tmp_path: Path, reference: dict[str, object]) -> None:
     cfg, run_dir = _config(tmp_path), tmp_path / "run"
@@ -133,6 +134,8 @@ def test_sigusr1_sent_by_the_job_itself_is_a_notice_too(
     _assert_finished_like(reference, losses, final)
 
 
+@pytest.mark.crash
+@pytest.mark.slow
 def test_a_grace_period_too_short_keeps_the_previous_checkpoint_and_exits_76(
         tmp_path: Path, reference: dict[str, object]) -> None:
     """The organ of step 24 is held back 60 s in publication; the grace period is 1 s. The
@@ -270,6 +273,8 @@ def _communicate(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
             p.kill()
 
 
+@pytest.mark.crash
+@pytest.mark.slow
 def test_a_notice_to_one_rank_stops_both_at_the_same_step_and_both_resume_bit_exactly(
         tmp_path: Path) -> None:
     """Rank 0 alone gets SIGTERM in the middle of loop step 15 (pilot step 16); the notice

@@ -123,6 +123,7 @@ def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.crash
+@pytest.mark.slow
 def test_a_stopped_rank_makes_the_other_exit_77_and_the_restart_is_bit_exact(
         tmp_path: Path) -> None:
     ref = tmp_path / "reference"
