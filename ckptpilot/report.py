@@ -427,8 +427,8 @@ def format_table(report: GoodputReport) -> str:
         ("step time", "unknown" if r.step_seconds is None else
          f"{r.step_seconds:.6f} s (median of {r.step_time_samples} heartbeat intervals)"),
         ("steps", f"{_n(r.first_step)} -> {_n(r.last_step)}"),
-        ("failures", f"{r.interruptions} interruption(s), {r.hangs} hang(s), {r.rollbacks} "
-         f"rollback(s); {r.preemptions} preemption(s), no failure; MTBF "
+        ("failures", f"{r.interruptions} crash(es), {r.hangs} hang(s), {r.preemptions} "
+         f"preemption(s), {r.rollbacks} rollback(s); MTBF "
          + ("unknown" if r.mtbf_seconds is None else f"{r.mtbf_seconds:.3f} s")),
         ("Young-Daly interval", f"{young_daly} (save cost {_num(r.save_cost_seconds, 6)} s, "
          "the median stall)"),
