@@ -101,7 +101,7 @@ class PreemptionGuard:
         before the ``SystemExit``). Without a notice of its own (another rank got it), the
         grace period counts from now."""
         notice = self._notice or Notice(signal.SIGTERM, time.monotonic())
-        source = (f"{notice.name}" if self._notice is not None
+        source = (notice.name if self._notice is not None
                   else "a preemption notice on another rank")
         grace = self._options.grace_seconds
         deadline = notice.monotonic + grace
@@ -125,11 +125,14 @@ class PreemptionGuard:
                         "%d (ExitStatus.PREEMPTED): the restart resumes from step %d",
                         self._rank, reason, time.monotonic() - notice.monotonic,
                         ExitStatus.PREEMPTED, step)
-            close(save=False)
+            try:
+                close(save=False)
+            except Exception:  # an older save's error: the organ that matters is valid
+                log.exception("PREEMPTION: closing the pilot after the emergency organ failed")
             raise SystemExit(ExitStatus.PREEMPTED)
         point = self._newest_valid_remote(below=step)
-        keeps = ("no valid checkpoint on the remote tier: the restart starts from step 0 or "
-                 "from the memory/peer tiers" if point is None
+        keeps = ("no checkpoint is valid on the remote tier (the peer tier may hold one)"
+                 if point is None
                  else f"the previous valid checkpoint, step {point}, stays the recovery point")
         reason = (f"{source}: the emergency organ of step {step} is NOT durable ({problem}); "
                   f"{keeps}")
