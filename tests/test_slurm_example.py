@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from ckptpilot import load_policy
-from ckptpilot.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -54,14 +53,11 @@ def test_the_sbatch_script_parses_and_asks_for_the_signal_and_the_requeue() -> N
 def test_the_example_policy_validates(tmp_path: Path) -> None:
     data = yaml.safe_load(POLICY.read_text())
     assert data["preemption"] == {"enabled": True, "signals": ["SIGUSR1"], "grace_seconds": 75}
-    # The preemption keys come with the preemption feature; until the schema has them, the
-    # rest of the file is validated alone.
-    if "preemption" not in Policy.model_fields:
-        del data["preemption"]
     validated = tmp_path / "policy.yaml"
     validated.write_text(yaml.safe_dump(data))
     policy = load_policy(validated, run_dir="/shared/runs/x")
     assert policy.tiers.remote.url == "/shared/runs/x/checkpoints"
+    assert tuple(policy.preemption.signals) == ("SIGUSR1",) and policy.preemption.grace_seconds == 75
 
 
 def _submit(tmp: Path, srun_status: int, restarts: int) -> tuple[int, Path]:
