@@ -49,11 +49,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckptpilot.errors import IntegrityError
 from ckptpilot.format.digest import (
+    READ_DIGESTS,
     ChunkDigest,
+    ReadDigest,
     check_chunk,
     chunk_ranges,
     hash_pool,
     is_chunked,
+    read_digest,
 )
 from ckptpilot.tiers import entries
 from ckptpilot.tiers.entries import COMMIT_FILE, STAGING_MARK
@@ -79,8 +82,13 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
-                 retries: Retries | None = None) -> None:
+                 retries: Retries | None = None, *, verify_reads: ReadDigest = "sha256") -> None:
+        if verify_reads not in READ_DIGESTS:
+            raise ValueError(f"verify_reads: {verify_reads!r} is not one of {READ_DIGESTS}")
         self.url = str(url)
+        # Which chunk digests ``read_verified`` checks (``format.digest`` says what each one
+        # guarantees); ``verify`` always checks SHA256.
+        self.verify_reads: ReadDigest = verify_reads
         retries = retries or NO_RETRIES
         options, library_retries = fs_options(self.url, storage_options, retries)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
@@ -259,9 +267,10 @@ class RemoteTier:
         against the record's digests as they arrive; raises ``IntegrityError`` naming the byte
         range that differs.
 
-        The buffer is never zero-filled first. Chunk digests (``format.digest``): on a local
-        file system each chunk is read with ``pread`` and hashed on the hashing threads, several
-        in flight; elsewhere the stream is read in order while the chunks already read are
+        The buffer is never zero-filled first. Chunk digests (``format.digest``), by the
+        tier's ``verify_reads`` where the record holds them, else SHA256: on a local file
+        system each chunk is read with ``pread`` and hashed on the hashing threads, several in
+        flight; elsewhere the stream is read in order while the chunks already read are
         hashed. A whole-file digest (version 1) is computed on one thread behind the reads.
         A read the network breaks is made again from the start (into a fresh buffer).
         """
@@ -272,22 +281,24 @@ class RemoteTier:
         buf = np.empty(int(rec["bytes"]), dtype=np.uint8)
         view = memoryview(buf)
         if is_chunked(rec):
-            ranges = chunk_ranges(rec, where)
+            digest = read_digest(rec, self.verify_reads)
+            ranges = chunk_ranges(rec, where, digest)
             if self.is_local:
                 fd = os.open(where, os.O_RDONLY)
                 try:
                     for _ in _readers().map(
-                            lambda r: _pread_checked(fd, view, *r, where), ranges):
+                            lambda r: _pread_checked(fd, view, *r, where, digest=digest),
+                            ranges):
                         pass
                 finally:
                     os.close(fd)
                 return buf
             with self.open_read(relpath) as f:
                 pending = []
-                for begin, end, sha in ranges:
+                for begin, end, expected in ranges:
                     _readinto_exact(f, view[begin:end], where)
                     pending.append(_readers().submit(check_chunk, view[begin:end], begin, end,
-                                                      sha, where))
+                                                      expected, where, digest))
                 for future in pending:
                     future.result()
             return buf
@@ -456,10 +467,10 @@ def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
         got += n
 
 
-def _pread_checked(fd: int, view: memoryview, begin: int, end: int, sha: str, where: str,
-                   *, at: int | None = None) -> None:
+def _pread_checked(fd: int, view: memoryview, begin: int, end: int, expected: str, where: str,
+                   *, at: int | None = None, digest: ReadDigest = "sha256") -> None:
     """Read file bytes ``[at, at + end - begin)`` (``at`` defaults to ``begin``) into
-    ``view[begin:end]`` and check them against ``sha``."""
+    ``view[begin:end]`` and check them against ``expected``, a ``digest`` hex digest."""
     offset = begin if at is None else at
     piece = view[begin:end]
     got = 0
@@ -468,7 +479,7 @@ def _pread_checked(fd: int, view: memoryview, begin: int, end: int, sha: str, wh
         if not n:
             raise OSError(f"{where}: file ends {len(piece) - got} bytes early")
         got += n
-    check_chunk(piece, offset, offset + len(piece), sha, where)
+    check_chunk(piece, offset, offset + len(piece), expected, where, digest)
 
 
 def _fsync_dir(path: str) -> None:
