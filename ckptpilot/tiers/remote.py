@@ -73,6 +73,10 @@ from ckptpilot.tiers.retry import (
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 16 << 20
+_READ_AHEAD_BYTES = 256 << 20
+"""How far ahead of the chunks being read a local chunked read asks the kernel for pages
+(``_will_need``): enough to keep the disk busy, bounded so that a file larger than memory
+does not push its own next chunks out of the page cache."""
 _NOT_DURABLE = frozenset({"memory"})
 
 
@@ -286,8 +290,10 @@ class RemoteTier:
             if self.is_local:
                 fd = os.open(where, os.O_RDONLY)
                 try:
+                    _will_need(fd, 0, min(len(view), _READ_AHEAD_BYTES))
                     for _ in _readers().map(
-                            lambda r: _pread_checked(fd, view, *r, where, digest=digest),
+                            lambda r: _pread_checked(fd, view, *r, where, digest=digest,
+                                                     ahead=len(view)),
                             ranges):
                         pass
                 finally:
@@ -333,10 +339,13 @@ class RemoteTier:
         if self.is_local:
             fd = os.open(where, os.O_RDONLY)
             try:
+                _will_need(fd, 0, min(int(rec["bytes"]), _READ_AHEAD_BYTES))
+
                 def one(r: tuple[int, int, str]) -> None:
                     begin, end, sha = r
                     scratch = memoryview(np.empty(end - begin, dtype=np.uint8))
-                    _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin)
+                    _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin,
+                                   ahead=int(rec["bytes"]))
                 for _ in _readers().map(one, ranges):
                     pass
             finally:
@@ -467,11 +476,31 @@ def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
         got += n
 
 
+def _will_need(fd: int, begin: int, end: int) -> None:
+    """Ask the kernel to start reading file bytes ``[begin, end)`` into the page cache
+    (``POSIX_FADV_WILLNEED``, where the OS has it).
+
+    A local chunked read asks for the first ``_READ_AHEAD_BYTES`` as it opens the file, and
+    each chunk's read for the chunk that far further on. Chunks read by several threads at once
+    reach the file out of order, which its readahead takes for random access: without this a
+    file not in the page cache (every durable checkpoint: ``_drop_from_page_cache``) is read
+    in small synchronous pieces, each ``pread`` waiting on the disk (bench/RESULTS.md,
+    "Restore: where its time goes")."""
+    if hasattr(os, "posix_fadvise") and begin < end:
+        os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+
+
 def _pread_checked(fd: int, view: memoryview, begin: int, end: int, expected: str, where: str,
-                   *, at: int | None = None, digest: ReadDigest = "sha256") -> None:
+                   *, at: int | None = None, digest: ReadDigest = "sha256",
+                   ahead: int | None = None) -> None:
     """Read file bytes ``[at, at + end - begin)`` (``at`` defaults to ``begin``) into
-    ``view[begin:end]`` and check them against ``expected``, a ``digest`` hex digest."""
+    ``view[begin:end]`` and check them against ``expected``, a ``digest`` hex digest. With
+    ``ahead`` (the file's size), first ask for the bytes ``_READ_AHEAD_BYTES`` further on
+    (:func:`_will_need`)."""
     offset = begin if at is None else at
+    if ahead is not None:
+        far = offset + _READ_AHEAD_BYTES
+        _will_need(fd, far, min(ahead, far + end - begin))
     piece = view[begin:end]
     got = 0
     while got < len(piece):
