@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from ckptpilot.autoprune import AutoPruner, DiskBudgetError
-from ckptpilot.background import background_pool
+from ckptpilot.background import background_pool, urgent
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
@@ -158,7 +158,9 @@ class CheckpointWriter:
     def acquire_slot(self) -> None:
         """Wait for room for one more snapshot (back-pressure); :meth:`submit` or
         :meth:`release_slot` gives it back."""
-        self._slots.acquire()
+        if not self._slots.acquire(blocking=False):
+            with urgent():  # training now waits for the saves: they may not starve
+                self._slots.acquire()
 
     def release_slot(self) -> None:
         self._slots.release()
@@ -190,8 +192,9 @@ class CheckpointWriter:
 
     def flush(self) -> None:
         """Wait for every queued job; raises the first background error."""
-        for job in list(self._jobs):
-            job.future.exception()
+        with urgent():
+            for job in list(self._jobs):
+                job.future.exception()
         self.raise_errors()
 
     def shutdown(self) -> None:
