@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import uuid
@@ -282,7 +283,7 @@ class RemoteTier:
 
     def _read_verified(self, relpath: str, rec: Mapping[str, Any]) -> np.ndarray:
         where = self.path(relpath)
-        buf = np.empty(int(rec["bytes"]), dtype=np.uint8)
+        buf = _fresh_bytes(int(rec["bytes"]))
         view = memoryview(buf)
         if is_chunked(rec):
             digest = read_digest(rec, self.verify_reads)
@@ -465,6 +466,21 @@ def _drop_from_page_cache(fd: int) -> None:
 def _readers() -> ThreadPoolExecutor:
     """Reads are waited for (a restore, a validation): they hash at the caller's priority."""
     return hash_pool(background=False)
+
+
+def _fresh_bytes(size: int) -> np.ndarray:
+    """An uninitialised, writable byte buffer of private anonymous memory in ordinary pages.
+
+    Not ``np.empty``: numpy asks for transparent huge pages on large arrays
+    (``MADV_HUGEPAGE``), and where the kernel then compacts memory to find them at the first
+    touch (THP ``defrag: madvise``, a common default) faulting a restore's buffer in costs
+    several times the system time of ordinary pages (bench/RESULTS.md, "Restore: where its
+    time goes"). The memory is returned when the array (and every tensor viewing it) is
+    gone."""
+    if size == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # Windows has no such mapping
+        return np.empty(size, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                         dtype=np.uint8)
 
 
 def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
