@@ -10,10 +10,10 @@ the page cache with ``POSIX_FADV_DONTNEED``) and warm (right after):
 - ``pilot, verify_reads: sha256`` / ``xxh3``: a fresh ``CheckpointPilot``'s ``restore()``
   (its construction not timed), every byte checked against the manifest's chunk digests;
 - phases of the pilot's read, on the organ's tensors file alone: ``pread, no check`` (the
-  same 8 MiB ``pread`` on the read threads into a fresh buffer with the same
+  same 8 MiB ``pread`` on the read threads into the same kind of fresh buffer with the same
   ``POSIX_FADV_WILLNEED`` window ahead, nothing hashed: the floor of any verified read), the
-  same without the window (how the tier read before it), and ``read_verified`` by each
-  digest.
+  same without the window or into ``np.empty`` (how the tier read before), and
+  ``read_verified`` by each digest.
 
 Each row: median wall seconds, the ratio to ``torch.load``'s median of the same run (above 1 =
 faster), and median user + system CPU seconds of the process (all threads; ``getrusage``).
@@ -43,7 +43,7 @@ from stall import Layout, State, assert_same, build_state, fresh_state, state_nb
 from ckptpilot import CheckpointPilot, load_policy
 from ckptpilot.format.digest import chunk_ranges, hash_pool
 from ckptpilot.storage.archive import TENSORS_FILE, read_manifest
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import RemoteTier, _fresh_bytes
 
 AHEAD = 256 << 20  # tiers/remote.py's _READ_AHEAD_BYTES
 POLICY_YAML = """\
@@ -175,13 +175,12 @@ def main() -> None:
         rec = read_manifest(tier, location.name)["files"][TENSORS_FILE]
         tensors_file = [location / TENSORS_FILE]
 
-        def pread_only(advise: bool) -> Run:
-            return lambda: pread(advise)
+        def pread_only(advise: bool, alloc: Callable[[int], np.ndarray] = _fresh_bytes) -> Run:
+            return lambda: pread(advise, alloc)
 
-        def pread(advise: bool) -> tuple[None, None]:
+        def pread(advise: bool, alloc: Callable[[int], np.ndarray]) -> tuple[None, None]:
             size = int(rec["bytes"])
-            buf = np.empty(size, np.uint8)
-            view = memoryview(buf)
+            view = memoryview(alloc(size))
             fd = os.open(tensors_file[0], os.O_RDONLY)
             try:
                 if advise:
@@ -217,6 +216,8 @@ def main() -> None:
                     tensors_file, pread_only(False)),
                 Row("phase: pread on the read threads, no check (tensors file)", tensors_file,
                     pread_only(True)),
+                Row("phase: the same into np.empty (numpy's huge pages)", tensors_file,
+                    pread_only(True, lambda n: np.empty(n, np.uint8))),
                 Row("phase: read_verified, sha256 (tensors file)", tensors_file,
                     read_verified("sha256")),
                 Row("phase: read_verified, xxh3 (tensors file)", tensors_file,
