@@ -344,7 +344,7 @@ class RemoteTier:
 
                 def one(r: tuple[int, int, str]) -> None:
                     begin, end, sha = r
-                    scratch = memoryview(np.empty(end - begin, dtype=np.uint8))
+                    scratch = memoryview(_fresh_bytes(end - begin))
                     _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin,
                                    ahead=int(rec["bytes"]))
                 for _ in _readers().map(one, ranges):
@@ -355,7 +355,7 @@ class RemoteTier:
         with self.open_read(relpath) as f:
             pending: list[Any] = []
             for begin, end, sha in ranges:
-                data = memoryview(np.empty(end - begin, dtype=np.uint8))
+                data = memoryview(_fresh_bytes(end - begin))
                 _readinto_exact(f, data, where)
                 pending.append(_readers().submit(check_chunk, data, begin, end, sha, where))
                 if len(pending) >= 4:
