@@ -10,10 +10,11 @@ to the threads it starts), so the training thread keeps its own.
 Idle priority can starve: on cores that training keeps busy, a save would never finish. It
 only matters once training waits for the save — back-pressure (``async.max_pending``
 snapshots in flight), a flush before close, a preemption's emergency save — and from that
-moment starving it costs training time instead of saving it. So whoever waits calls
-:func:`urgent`, which moves every idle thread of the process to ``SCHED_OTHER`` at ``nice``
-:data:`BACKGROUND_NICE` for as long as the wait lasts. The load-test worker process, whose
-wait is bounded by its own timeout, runs at ``nice`` :data:`BACKGROUND_NICE`.
+moment starving it costs training time instead of saving it; or once a save has taken so long
+that the newest recovery point is falling behind (the writer's patience). Then :func:`urgent`
+(or :func:`lift` … :func:`settle`) moves every idle thread of the process to ``SCHED_OTHER``
+at ``nice`` :data:`BACKGROUND_NICE` for as long as the wait lasts. The load-test worker
+process, whose wait is bounded by its own timeout, runs at ``nice`` :data:`BACKGROUND_NICE`.
 
 Where ``SCHED_IDLE`` is refused, or a thread could not be taken back out of it (not Linux, a
 sandbox, an unprivileged process without ``RLIMIT_NICE``), background threads fall back to that
@@ -30,7 +31,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["BACKGROUND_NICE", "background_pool", "lower_priority", "urgent"]
+__all__ = ["BACKGROUND_NICE", "background_pool", "lift", "lower_priority", "settle", "urgent"]
 
 BACKGROUND_NICE = 10
 
@@ -89,24 +90,34 @@ def _idle_allowed(tid: int) -> bool:
     return _urgency.idle_allowed
 
 
-@contextlib.contextmanager
-def urgent() -> Iterator[None]:
-    """While training waits for background work, that work runs at ``nice``
-    :data:`BACKGROUND_NICE` instead of idle priority (nested waits nest)."""
+def lift() -> None:
+    """Training now waits for background work: run it at ``nice`` :data:`BACKGROUND_NICE`
+    instead of idle priority until the matching :func:`settle` (lifts nest)."""
     with _urgency.lock:
         _urgency.depth += 1
         if _urgency.depth == 1:
             _urgency.moved = _leave_idle()
+
+
+def settle() -> None:
+    """The end of a :func:`lift`: after the last one, the lifted threads go back to idle."""
+    with _urgency.lock:
+        _urgency.depth -= 1
+        if _urgency.depth == 0:
+            for tid in _urgency.moved:
+                with contextlib.suppress(OSError):  # the thread ended meanwhile
+                    os.sched_setscheduler(tid, _IDLE, os.sched_param(0))  # type: ignore[arg-type]
+            _urgency.moved = []
+
+
+@contextlib.contextmanager
+def urgent() -> Iterator[None]:
+    """:func:`lift` for the duration of a wait."""
+    lift()
     try:
         yield
     finally:
-        with _urgency.lock:
-            _urgency.depth -= 1
-            if _urgency.depth == 0:
-                for tid in _urgency.moved:
-                    with contextlib.suppress(OSError):  # the thread ended meanwhile
-                        os.sched_setscheduler(tid, _IDLE, os.sched_param(0))  # type: ignore[arg-type]
-                _urgency.moved = []
+        settle()
 
 
 def _leave_idle() -> list[int]:

@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="re-verify and report only; mark nothing (read-only)")
     rep = run_parser("report", "the run's goodput from its records: time lost to failures, "
                      "recovery and checkpointing, checkpoints, bytes, MTBF")
-    rep.add_argument("--json", action="store_true", help="print the JSON document, not the table")
+    rep_out = rep.add_mutually_exclusive_group()
+    rep_out.add_argument("--json", action="store_true",
+                         help="print the JSON document, not the table")
+    rep_out.add_argument("--predict", action="store_true",
+                         help="also print the simulator's goodput for this run's own size, "
+                         "costs and MTBF beside the measured one (docs/operations/simulate.md)")
     rep.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                      help="also show every duration in GPU-hours for N GPUs")
     rep.add_argument("--no-tensorboard", action="store_true",
@@ -77,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ckptpilot.tiers.peer.command import add_peer_parser
 
     add_peer_parser(sub)
+    from ckptpilot.simulate.command import add_simulate_parser
+
+    add_simulate_parser(sub)
     fit = sub.add_parser("fit", help="fault-injection suite: kill, corrupt and restore a small "
                          "job under your policy; exit 0 only when every scenario passes")
     fit.add_argument("--config", type=Path, default=None,
@@ -116,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             from ckptpilot.tiers.peer.command import run_peer_command
 
             return run_peer_command(args)
+        if args.command == "simulate":
+            from ckptpilot.simulate.command import run_simulate
+
+            return run_simulate(args)
         if args.command == "demo":
             return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
         if args.command == "fit":
@@ -137,8 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from ckptpilot.report import run_report
 
-            return run_report(policy, out, as_json=args.json, gpus=args.gpus,
-                              tensorboard=not args.no_tensorboard)
+            rc = run_report(policy, out, as_json=args.json, gpus=args.gpus,
+                            tensorboard=not args.no_tensorboard)
+            if args.predict:
+                from ckptpilot.report import build_report, read_records
+                from ckptpilot.simulate.validate import format_prediction
+
+                out.write(format_prediction(build_report(read_records(policy)),
+                                            gpus=args.gpus or 1))
+            return rc
         return runops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
     except (CkptPilotError, DemoError) as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,35 @@ def test_a_child_forked_after_hashing_hashes_on_threads_of_its_own(tmp_path: Pat
         os.waitpid(pid, 0)
         pytest.fail("the forked child's write hung on its parent's hashing pool")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@linux_idle
+def test_a_save_that_waits_too_long_for_idle_cores_is_lifted_until_it_is_done() -> None:
+    """On cores kept busy, an idle-priority save could wait forever while training goes on
+    (no back-pressure yet): past the writer's patience it runs at nice 10 until done."""
+    from concurrent.futures import Future
+
+    from ckptpilot.writer import PATIENCE_SECONDS, CheckpointWriter, _Job
+
+    writer = CheckpointWriter.__new__(CheckpointWriter)
+    writer._jobs, writer._lifted, writer.saves = deque(), None, []
+    release = threading.Event()
+    with background_pool(1, "test-rescue") as pool:
+        job = _Job(6, "save")
+        job.future = pool.submit(release.wait, 60)
+        writer._jobs.append(job)
+        writer.raise_errors()  # just queued: patience
+        assert background._urgency.depth == 0
+        job.queued -= PATIENCE_SECONDS + 1
+        writer.raise_errors()  # now past patience: lifted
+        assert background._urgency.depth == 1 and writer._lifted is job
+        moved = set(background._urgency.moved)
+        assert moved and all(os.sched_getscheduler(t) == os.SCHED_OTHER for t in moved)
+        release.set()
+        job.future.result()
+        done: Future[tuple[int, int]] = pool.submit(_policy)
+        assert done.result() == (os.SCHED_OTHER, BACKGROUND_NICE)  # still lifted
+        writer._jobs.clear()
+        writer.raise_errors()  # the lifted save is done: back to idle
+        assert background._urgency.depth == 0 and writer._lifted is None
+        assert pool.submit(_policy).result()[0] == IDLE
