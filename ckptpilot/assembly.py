@@ -120,7 +120,8 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
            started: dict[str, Callable[[], object]]) -> RunParts:
     run_dir = Path(policy.run_dir)
     remote = RemoteTier(policy.tiers.remote.url, policy.tiers.remote.storage_options,
-                        retries=policy.tiers.remote.retries)
+                        retries=policy.tiers.remote.retries,
+                        verify_reads=policy.tiers.remote.verify_reads)
     if not remote.durable:
         raise PolicyError("tiers.remote.url", f"{remote.url} does not outlive this process, "
                           "so it cannot hold recovery points; use a directory or an object "

@@ -31,16 +31,17 @@ class CheckpointFormatError(CkptPilotError, ValueError):
 class IntegrityError(CheckpointFormatError):
     """Bytes read back do not match the digest recorded when they were written."""
 
-    def __init__(self, key: str, expected: str, actual: str) -> None:
+    def __init__(self, key: str, expected: str, actual: str, digest: str = "SHA256") -> None:
         self.key = key
         self.expected = expected
         self.actual = actual
-        super().__init__(f"{key}: SHA256 mismatch (expected {expected}, got {actual})")
+        self.digest = digest
+        super().__init__(f"{key}: {digest} mismatch (expected {expected}, got {actual})")
 
-    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str]]:
-        # Rebuilt from its three fields when pickled to another process (DCP sends every
-        # rank's exception to the others).
-        return (type(self), (self.key, self.expected, self.actual))
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str]]:
+        # Rebuilt from its fields when pickled to another process (DCP sends every rank's
+        # exception to the others).
+        return (type(self), (self.key, self.expected, self.actual, self.digest))
 
 
 class CheckpointWriteError(CkptPilotError, RuntimeError):

@@ -656,6 +656,11 @@ class RemoteTierPolicy(_Section):
     # Secrets: left out of repr; never logged, never written to the metadata store.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     retries: RemoteRetriesPolicy = Field(default_factory=RemoteRetriesPolicy)
+    # What a restore checks each chunk it reads against (``format.digest`` states each one's
+    # guarantee): ``sha256`` stands against a deliberate substitution, ``xxh3`` only against
+    # accidental damage, for far less CPU. Checkpoints without XXH3 digests (manifest
+    # version 2 and older) are always checked by SHA256; ``validate`` always uses SHA256.
+    verify_reads: Literal["sha256", "xxh3"] = "sha256"
 
 
 class TiersPolicy(_Section):

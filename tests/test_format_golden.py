@@ -33,6 +33,7 @@ import torch
 
 from ckptpilot.codecs import Codec, get_codec
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
+from ckptpilot.format.digest import READ_DIGESTS, ReadDigest
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.format.ledger_line import parse_line
 from ckptpilot.format.manifest import build_manifest, decode_manifest, encode_manifest
@@ -45,8 +46,10 @@ from ckptpilot.vocab import Level, RetentionClass
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format"
 PEER_IMAGE = FIXTURES / "peer_image.v1.json"
-ARCHIVE_ROOT = FIXTURES / "archive.v2"
+ARCHIVE_ROOT = FIXTURES / "archive.v3"
+ARCHIVE_V2 = FIXTURES / "archive.v2"  # chunk SHA256s without XXH3-128s: no writer makes them
 ARCHIVE_V1 = FIXTURES / "archive.v1"  # whole-file SHA256s: no writer makes them, still read
+ARCHIVES = {3: ARCHIVE_ROOT, 2: ARCHIVE_V2, 1: ARCHIVE_V1}
 SAFETENSORS_ARCHIVE = "step_00000007_rank_00000"
 CONTAINER_ARCHIVE = "step_00000008_rank_00000"
 RING_V2 = FIXTURES / "heartbeat.v2.ring"
@@ -175,10 +178,11 @@ def archive_files(root: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-def golden_tier(tmp_path: Path, root: Path = ARCHIVE_ROOT) -> RemoteTier:
+def golden_tier(tmp_path: Path, root: Path = ARCHIVE_ROOT,
+                verify_reads: ReadDigest = "sha256") -> RemoteTier:
     """A copy of the golden archives: reading must not depend on the fixtures being writable."""
     shutil.copytree(root, tmp_path / "remote")
-    return RemoteTier(str(tmp_path / "remote"))
+    return RemoteTier(str(tmp_path / "remote"), verify_reads=verify_reads)
 
 
 # -- peer image meta --------------------------------------------------------------------------
@@ -236,10 +240,12 @@ def test_todays_archive_writer_reproduces_the_golden_archives(tmp_path: Path) ->
     assert archive_files(tmp_path / "remote") == archive_files(ARCHIVE_ROOT)
 
 
-@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize("verify_reads", READ_DIGESTS)
+@pytest.mark.parametrize("version", [3, 2, 1])
 @pytest.mark.parametrize("name", [SAFETENSORS_ARCHIVE, CONTAINER_ARCHIVE])
-def test_a_golden_archive_reads_back_bit_exact(tmp_path: Path, name: str, version: int) -> None:
-    tier = golden_tier(tmp_path, ARCHIVE_ROOT if version == 2 else ARCHIVE_V1)
+def test_a_golden_archive_reads_back_bit_exact(tmp_path: Path, name: str, version: int,
+                                               verify_reads: ReadDigest) -> None:
+    tier = golden_tier(tmp_path, ARCHIVES[version], verify_reads)
     manifest = archive.read_manifest(tier, name)
     step = 7 if name == SAFETENSORS_ARCHIVE else 8
     assert {k: manifest[k] for k in ("format", "format_version", "name", "step", "level",
@@ -269,7 +275,7 @@ def test_a_golden_manifest_with_one_changed_byte_is_refused(tmp_path: Path) -> N
     tier = golden_tier(tmp_path)
     path = tmp_path / "remote" / SAFETENSORS_ARCHIVE / archive.MANIFEST_FILE
     path.write_bytes(path.read_bytes().replace(b'"golden"', b'"g0lden"'))
-    with pytest.raises(IntegrityError, match=r"manifest\.json: SHA256 mismatch \(expected b415"):
+    with pytest.raises(IntegrityError, match=r"manifest\.json: SHA256 mismatch \(expected 536a"):
         archive.read_manifest(tier, SAFETENSORS_ARCHIVE)
 
 

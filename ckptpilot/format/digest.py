@@ -1,4 +1,4 @@
-"""How a file of an archive is fingerprinted: SHA256 of every fixed-size chunk.
+"""How a file of an archive is fingerprinted: SHA256 (and XXH3-128) of every fixed-size chunk.
 
 One SHA256 over a whole file is one core's work, strictly in order (bench/RESULTS.md,
 stall.py: the write with SHA256 on the fly): it set the pace of every save and every
@@ -14,6 +14,22 @@ the chunks are fixed by the size, and the list itself is covered by the manifest
 digest. Version-1 records (``{"bytes", "sha256"}``, one digest of the whole file) stay
 readable.
 
+Manifest version 3 adds ``"xxh3_128_chunks"``, the XXH3-128 of the same chunks, so that a
+restore may check what it reads for far less CPU than SHA256 takes
+(``tiers.remote.verify_reads: xxh3``). What each check guarantees:
+
+- ``sha256`` (the default, and what ``validate`` and paranoid validation always use): a
+  changed byte is caught whoever changed it; a file forged to match needs a SHA256 second
+  preimage.
+- ``xxh3``: any accidental change (a flipped bit, a torn or misplaced block, a truncation,
+  another file in its place) is caught, a random change going unnoticed with a chance of
+  2**-128 per chunk. XXH3 is not cryptographic: someone who can rewrite the tensors file can
+  craft bytes with the recorded XXH3 digests, so this check does not stand against a
+  deliberate substitution. The digest list itself cannot be changed unseen (the manifest's
+  SHA256 covers it, and the catalogue records the manifest's digest).
+
+A record without XXH3 digests (versions 1 and 2) is always checked by SHA256.
+
 Owns the record's keys, the chunk size, and the thread pool the digests run on. Hashes bytes
 only: reading and writing files is the tiers' (``tiers.remote``).
 """
@@ -25,23 +41,40 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
+
+import xxhash
 
 from ckptpilot.background import background_pool
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 
 __all__ = [
     "CHUNK_BYTES",
+    "READ_DIGESTS",
     "ChunkDigest",
+    "ReadDigest",
     "check_chunk",
     "chunk_ranges",
     "hash_pool",
     "is_chunked",
+    "read_digest",
 ]
 
 CHUNK_BYTES = 8 << 20
 """8 MiB: 128 digests (8 KB of manifest) per GB, and pieces small enough that a 64 MiB write
 spreads over every hashing thread."""
+
+ReadDigest = Literal["sha256", "xxh3"]
+READ_DIGESTS: tuple[ReadDigest, ...] = ("sha256", "xxh3")
+_KEYS: dict[str, str] = {"sha256": "sha256_chunks", "xxh3": "xxh3_128_chunks"}
+_NAMES: dict[str, str] = {"sha256": "SHA256", "xxh3": "XXH3-128"}
+
+
+def _hexdigest(digest: str, view: memoryview) -> str:
+    if digest == "xxh3":
+        return str(xxhash.xxh3_128_hexdigest(view))
+    return hashlib.sha256(view).hexdigest()
+
 
 class _Pools:
     """This process's hashing pools, by kind, and the lock that creates them."""
@@ -86,10 +119,17 @@ def is_chunked(rec: Mapping[str, Any]) -> bool:
     return "sha256_chunks" in rec
 
 
-def chunk_ranges(rec: Mapping[str, Any], where: str) -> list[tuple[int, int, str]]:
-    """``(begin, end, sha256)`` of every chunk of a version-2 record, checked for
-    consistency with the file's size before anything is read."""
-    size, step, digests = rec.get("bytes"), rec.get("chunk_bytes"), rec.get("sha256_chunks")
+def read_digest(rec: Mapping[str, Any], wanted: ReadDigest) -> ReadDigest:
+    """The digest a read of a chunked record is checked by: ``wanted`` when the record holds
+    it, else SHA256 (a record written before XXH3 digests were kept)."""
+    return wanted if _KEYS[wanted] in rec else "sha256"
+
+
+def chunk_ranges(rec: Mapping[str, Any], where: str, digest: ReadDigest = "sha256"
+                 ) -> list[tuple[int, int, str]]:
+    """``(begin, end, expected digest)`` of every chunk of a chunked record (``digest``: which
+    of its lists), checked for consistency with the file's size before anything is read."""
+    size, step, digests = rec.get("bytes"), rec.get("chunk_bytes"), rec.get(_KEYS[digest])
     if (not isinstance(size, int) or not isinstance(step, int) or step <= 0 or size < 0
             or not isinstance(digests, list)):
         raise CheckpointFormatError(f"{where}: malformed chunk digest record")
@@ -99,12 +139,13 @@ def chunk_ranges(rec: Mapping[str, Any], where: str) -> list[tuple[int, int, str
     return [(i * step, min(size, (i + 1) * step), str(d)) for i, d in enumerate(digests)]
 
 
-def check_chunk(view: memoryview, begin: int, end: int, expected: str, where: str) -> None:
-    """Raise :class:`IntegrityError` naming the byte range when ``view`` (the bytes of
-    ``[begin, end)``) does not hash to ``expected``."""
-    actual = hashlib.sha256(view).hexdigest()
+def check_chunk(view: memoryview, begin: int, end: int, expected: str, where: str,
+                digest: ReadDigest = "sha256") -> None:
+    """Raise :class:`IntegrityError` naming the byte range and the digest when ``view`` (the
+    bytes of ``[begin, end)``) does not hash to ``expected``."""
+    actual = _hexdigest(digest, view)
     if actual != expected:
-        raise IntegrityError(f"{where} bytes [{begin}, {end})", expected, actual)
+        raise IntegrityError(f"{where} bytes [{begin}, {end})", expected, actual, _NAMES[digest])
 
 
 class ChunkDigest:
@@ -118,7 +159,7 @@ class ChunkDigest:
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
-        self._hashers: list[Any] = [hashlib.sha256()]
+        self._hashers: list[_ChunkHashers] = [_ChunkHashers()]
         self._fill = 0  # bytes in the last chunk
         self.size = 0
 
@@ -127,7 +168,7 @@ class ChunkDigest:
         futures = []
         while len(view):
             if self._fill == self.chunk_bytes:
-                self._hashers.append(hashlib.sha256())
+                self._hashers.append(_ChunkHashers())
                 self._fill = 0
             take = min(len(view), self.chunk_bytes - self._fill)
             futures.append(pool.submit(self._hashers[-1].update, view[:take]))
@@ -139,4 +180,18 @@ class ChunkDigest:
     def record(self) -> dict[str, Any]:
         """The file record (every :meth:`update`'s futures must have been waited for)."""
         return {"bytes": self.size, "chunk_bytes": self.chunk_bytes,
-                "sha256_chunks": [h.hexdigest() for h in self._hashers]}
+                "sha256_chunks": [h.sha256.hexdigest() for h in self._hashers],
+                "xxh3_128_chunks": [h.xxh3.hexdigest() for h in self._hashers]}
+
+
+class _ChunkHashers:
+    """Both digests of one chunk, fed together: one task on the pool, so each chunk's
+    hashers are still updated by one thread at a time and in order."""
+
+    def __init__(self) -> None:
+        self.sha256 = hashlib.sha256()
+        self.xxh3 = xxhash.xxh3_128()
+
+    def update(self, view: memoryview) -> None:
+        self.sha256.update(view)
+        self.xxh3.update(view)

@@ -3,12 +3,15 @@
 An archive (``storage/archive.py``) is complete only once its manifest is there; the manifest
 names the format and its version, the checkpoint (name, step, rank), why and how it was kept
 (level, reason, retention class, score), and the size and digests of every other file
-(version 2: the SHA256 of every chunk, ``format.digest``; version 1, still read: one SHA256 of
-the whole file), and it carries ``self_sha256``, the SHA256 of its own other keys
-(``json.dumps(..., sort_keys=True)``), so a manifest edited or damaged after writing is
-refused. ``branch``, present only in a checkpoint saved after the run was restored, is the
-continuation it was saved on (``storage.lineage``); an optional key, so no new version:
-older readers ignore it and a manifest without it belongs to the run's first continuation.
+(version 3: the SHA256 and the XXH3-128 of every chunk, ``format.digest``; version 2, still
+read: the SHA256 of every chunk; version 1, still read: one SHA256 of the whole file), and it
+carries ``self_sha256``, the SHA256 of its own other keys (``json.dumps(..., sort_keys=True)``),
+so a manifest edited or damaged after writing is refused. ``branch``, present only in a
+checkpoint saved after the run was restored, is the continuation it was saved on
+(``storage.lineage``); an optional key, so no new version: older readers ignore it and a
+manifest without it belongs to the run's first continuation. The XXH3 digests did get a new
+version (the file records' keys are pinned by golden files): a ckptpilot that reads only
+versions 1 and 2 refuses a version-3 checkpoint, naming the version.
 The key order and the one-space indent are part of the format: the metadata store
 records ``self_sha256``, and a golden file pins the bytes.
 
@@ -36,8 +39,8 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = "ckptpilot-organ"
-MANIFEST_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+MANIFEST_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:

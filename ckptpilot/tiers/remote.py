@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import uuid
@@ -49,11 +50,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckptpilot.errors import IntegrityError
 from ckptpilot.format.digest import (
+    READ_DIGESTS,
     ChunkDigest,
+    ReadDigest,
     check_chunk,
     chunk_ranges,
     hash_pool,
     is_chunked,
+    read_digest,
 )
 from ckptpilot.tiers import entries
 from ckptpilot.tiers.directio import DirectWriter
@@ -71,6 +75,10 @@ from ckptpilot.tiers.retry import (
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 16 << 20
+_READ_AHEAD_BYTES = 256 << 20
+"""How far ahead of the chunks being read a local chunked read asks the kernel for pages
+(``_will_need``): enough to keep the disk busy, bounded so that a file larger than memory
+does not push its own next chunks out of the page cache."""
 _NOT_DURABLE = frozenset({"memory"})
 
 
@@ -80,8 +88,13 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
-                 retries: Retries | None = None) -> None:
+                 retries: Retries | None = None, *, verify_reads: ReadDigest = "sha256") -> None:
+        if verify_reads not in READ_DIGESTS:
+            raise ValueError(f"verify_reads: {verify_reads!r} is not one of {READ_DIGESTS}")
         self.url = str(url)
+        # Which chunk digests ``read_verified`` checks (``format.digest`` says what each one
+        # guarantees); ``verify`` always checks SHA256.
+        self.verify_reads: ReadDigest = verify_reads
         retries = retries or NO_RETRIES
         options, library_retries = fs_options(self.url, storage_options, retries)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
@@ -265,9 +278,10 @@ class RemoteTier:
         against the record's digests as they arrive; raises ``IntegrityError`` naming the byte
         range that differs.
 
-        The buffer is never zero-filled first. Chunk digests (``format.digest``): on a local
-        file system each chunk is read with ``pread`` and hashed on the hashing threads, several
-        in flight; elsewhere the stream is read in order while the chunks already read are
+        The buffer is never zero-filled first. Chunk digests (``format.digest``), by the
+        tier's ``verify_reads`` where the record holds them, else SHA256: on a local file
+        system each chunk is read with ``pread`` and hashed on the hashing threads, several in
+        flight; elsewhere the stream is read in order while the chunks already read are
         hashed. A whole-file digest (version 1) is computed on one thread behind the reads.
         A read the network breaks is made again from the start (into a fresh buffer).
         """
@@ -275,25 +289,29 @@ class RemoteTier:
 
     def _read_verified(self, relpath: str, rec: Mapping[str, Any]) -> np.ndarray:
         where = self.path(relpath)
-        buf = np.empty(int(rec["bytes"]), dtype=np.uint8)
+        buf = _fresh_bytes(int(rec["bytes"]))
         view = memoryview(buf)
         if is_chunked(rec):
-            ranges = chunk_ranges(rec, where)
+            digest = read_digest(rec, self.verify_reads)
+            ranges = chunk_ranges(rec, where, digest)
             if self.is_local:
                 fd = os.open(where, os.O_RDONLY)
                 try:
+                    _will_need(fd, 0, min(len(view), _READ_AHEAD_BYTES))
                     for _ in _readers().map(
-                            lambda r: _pread_checked(fd, view, *r, where), ranges):
+                            lambda r: _pread_checked(fd, view, *r, where, digest=digest,
+                                                     ahead=len(view)),
+                            ranges):
                         pass
                 finally:
                     os.close(fd)
                 return buf
             with self.open_read(relpath) as f:
                 pending = []
-                for begin, end, sha in ranges:
+                for begin, end, expected in ranges:
                     _readinto_exact(f, view[begin:end], where)
                     pending.append(_readers().submit(check_chunk, view[begin:end], begin, end,
-                                                      sha, where))
+                                                      expected, where, digest))
                 for future in pending:
                     future.result()
             return buf
@@ -328,10 +346,13 @@ class RemoteTier:
         if self.is_local:
             fd = os.open(where, os.O_RDONLY)
             try:
+                _will_need(fd, 0, min(int(rec["bytes"]), _READ_AHEAD_BYTES))
+
                 def one(r: tuple[int, int, str]) -> None:
                     begin, end, sha = r
-                    scratch = memoryview(np.empty(end - begin, dtype=np.uint8))
-                    _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin)
+                    scratch = memoryview(_fresh_bytes(end - begin))
+                    _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin,
+                                   ahead=int(rec["bytes"]))
                 for _ in _readers().map(one, ranges):
                     pass
             finally:
@@ -340,7 +361,7 @@ class RemoteTier:
         with self.open_read(relpath) as f:
             pending: list[Any] = []
             for begin, end, sha in ranges:
-                data = memoryview(np.empty(end - begin, dtype=np.uint8))
+                data = memoryview(_fresh_bytes(end - begin))
                 _readinto_exact(f, data, where)
                 pending.append(_readers().submit(check_chunk, data, begin, end, sha, where))
                 if len(pending) >= 4:
@@ -453,6 +474,21 @@ def _readers() -> ThreadPoolExecutor:
     return hash_pool(background=False)
 
 
+def _fresh_bytes(size: int) -> np.ndarray:
+    """An uninitialised, writable byte buffer of private anonymous memory in ordinary pages.
+
+    Not ``np.empty``: numpy asks for transparent huge pages on large arrays
+    (``MADV_HUGEPAGE``), and where the kernel then compacts memory to find them at the first
+    touch (THP ``defrag: madvise``, a common default) faulting a restore's buffer in costs
+    several times the system time of ordinary pages (bench/RESULTS.md, "Restore: where its
+    time goes"). The memory is returned when the array (and every tensor viewing it) is
+    gone."""
+    if size == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # Windows has no such mapping
+        return np.empty(size, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                         dtype=np.uint8)
+
+
 def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
     got = 0
     while got < len(view):
@@ -462,11 +498,31 @@ def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
         got += n
 
 
-def _pread_checked(fd: int, view: memoryview, begin: int, end: int, sha: str, where: str,
-                   *, at: int | None = None) -> None:
+def _will_need(fd: int, begin: int, end: int) -> None:
+    """Ask the kernel to start reading file bytes ``[begin, end)`` into the page cache
+    (``POSIX_FADV_WILLNEED``, where the OS has it).
+
+    A local chunked read asks for the first ``_READ_AHEAD_BYTES`` as it opens the file, and
+    each chunk's read for the chunk that far further on. Chunks read by several threads at once
+    reach the file out of order, which its readahead takes for random access: without this a
+    file not in the page cache (every durable checkpoint: ``_drop_from_page_cache``) is read
+    in small synchronous pieces, each ``pread`` waiting on the disk (bench/RESULTS.md,
+    "Restore: where its time goes")."""
+    if hasattr(os, "posix_fadvise") and begin < end:
+        os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+
+
+def _pread_checked(fd: int, view: memoryview, begin: int, end: int, expected: str, where: str,
+                   *, at: int | None = None, digest: ReadDigest = "sha256",
+                   ahead: int | None = None) -> None:
     """Read file bytes ``[at, at + end - begin)`` (``at`` defaults to ``begin``) into
-    ``view[begin:end]`` and check them against ``sha``."""
+    ``view[begin:end]`` and check them against ``expected``, a ``digest`` hex digest. With
+    ``ahead`` (the file's size), first ask for the bytes ``_READ_AHEAD_BYTES`` further on
+    (:func:`_will_need`)."""
     offset = begin if at is None else at
+    if ahead is not None:
+        far = offset + _READ_AHEAD_BYTES
+        _will_need(fd, far, min(ahead, far + end - begin))
     piece = view[begin:end]
     got = 0
     while got < len(piece):
@@ -474,7 +530,7 @@ def _pread_checked(fd: int, view: memoryview, begin: int, end: int, sha: str, wh
         if not n:
             raise OSError(f"{where}: file ends {len(piece) - got} bytes early")
         got += n
-    check_chunk(piece, offset, offset + len(piece), sha, where)
+    check_chunk(piece, offset, offset + len(piece), expected, where, digest)
 
 
 def _fsync_dir(path: str) -> None:
