@@ -57,7 +57,8 @@ def test_the_example_policy_validates(tmp_path: Path) -> None:
     validated.write_text(yaml.safe_dump(data))
     policy = load_policy(validated, run_dir="/shared/runs/x")
     assert policy.tiers.remote.url == "/shared/runs/x/checkpoints"
-    assert tuple(policy.preemption.signals) == ("SIGUSR1",) and policy.preemption.grace_seconds == 75
+    assert tuple(policy.preemption.signals) == ("SIGUSR1",)
+    assert policy.preemption.grace_seconds == 75
 
 
 def _submit(tmp: Path, srun_status: int, restarts: int) -> tuple[int, Path]:
