@@ -25,6 +25,7 @@ The incidents live in ``incidents.py`` (one table, ``INCIDENTS``); this module r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -68,6 +69,8 @@ class Expect(str, Enum):
 
     QUIET = "newest common at the quiet point"  # minus what the incident destroyed
     FAULTED = "the step the faulted rank died in"  # it died after every rank published it
+    EXITED = "newest common when the ranks exited"  # through the pilot, with exit_code
+    PUBLISHED = "newest published on every rank when the job ended"  # read between launches
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Scene:
     harness: Harness
     trial: CampaignTrial
     quiet: dict[int, dict[str, Any]]
+    agent_pid: int  # the torchrun process
 
     @property
     def ranks(self) -> int:
@@ -123,11 +127,15 @@ class Incident:
     job: dict[str, Any] = field(default_factory=dict)
     act: Act | None = None
     needs: Needs = Needs.DIST
-    restarts: int = 1
+    restarts: int = 1  # torchrun's --max-restarts: the restarts the incident causes
+    relaunch: bool = False  # the incident stops the agent: the job is launched again
     refusals: int = 0  # the first restarts in which every rank must refuse to restore
     expect: Expect = Expect.QUIET
     lost_tiers: frozenset[str] = frozenset()
     policy: dict[str, Any] = field(default_factory=dict)  # overrides, e.g. pulses fsynced
+    exit_code: int | None = None  # Expect.EXITED: the status every rank exits with
+    ledger_cause: str | None = None  # the cause of the stop record the ranks' ledgers hold
+    ledger_ranks: tuple[int, ...] = ()  # the ranks that must record it (empty: every rank)
 
 
 def free_port() -> int:
@@ -176,21 +184,53 @@ class CampaignTrial(Trial):
 
 
 class Starts:
-    """A finished job's events, by rank and start of the worker group."""
+    """The events of a finished job (of its launches, in order: a job launched again after
+    its agent was stopped), by rank and start of the worker group. Starts are numbered
+    across launches: ``attempt`` is the job's start, the events' own is the launch's."""
 
-    def __init__(self, run: ChildRun) -> None:
-        self.run = run
-        self.events = {r: read_events(run.out / f"events_rank{r:05d}.jsonl")
-                       for r in range(run.ranks)}
-        self.last = max((e.get("attempt", 0) for evs in self.events.values() for e in evs),
-                        default=0)
+    def __init__(self, runs: list[ChildRun]) -> None:
+        self.runs = runs
+        self.run = runs[-1]
+        self.events: dict[int, list[dict[str, Any]]] = {r: [] for r in range(self.run.ranks)}
+        self.launch_of: dict[int, int] = {}
+        offset = 0
+        for index, run in enumerate(runs):
+            last = 0
+            for r in self.events:
+                for e in read_events(run.out / f"events_rank{r:05d}.jsonl"):
+                    last = max(last, e.get("attempt", 0))
+                    self.events[r].append({**e, "attempt": offset + e.get("attempt", 0)})
+            for attempt in range(offset, offset + last + 1):
+                self.launch_of[attempt] = index
+            offset += last + 1
+        self.last = offset - 1
 
     def get(self, kind: str, rank: int, attempt: int) -> dict[str, Any] | None:
         return next((e for e in self.events[rank]
-                     if e["event"] == kind and e.get("attempt", 0) == attempt), None)
+                     if e["event"] == kind and e["attempt"] == attempt), None)
+
+    def reap(self) -> None:
+        """SIGKILL any worker still alive (a stopped rank the agent left behind): torchrun
+        starts each in a session of its own, out of reach of the agent's process group."""
+        for run in self.runs:
+            for events in self.events.values():
+                for pid in {e["pid"] for e in events if "pid" in e}:
+                    _kill_worker(pid, run.out)
 
     def every(self, kind: str, attempt: int) -> dict[int, dict[str, Any]]:
         return {r: e for r in self.events if (e := self.get(kind, r, attempt)) is not None}
+
+
+def _kill_worker(pid: int, out: Path) -> None:
+    """SIGKILL ``pid`` if it still is a training child writing to ``out`` (never a process
+    that reused the number)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return
+    if os.fsencode(out) in cmdline:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def agreed_step(quiet: dict[int, dict[str, Any]], damage: Damage,
@@ -254,22 +294,44 @@ def run_incident(h: Harness, incident: Incident, ref: Reference, nproc: int,
     h.begin(trial)
     go = trial.dir / "go" if incident.act is not None else None
     running = trial.spawn("job", quiet_at_step=QUIET_STEP, go_file=go, **job)
-    damage = Damage("")
+    damage, quiet, published = Damage(""), None, None
     try:
         if incident.act is not None:
             assert go is not None
             quiet = _wait_quiet(running.out, nproc, running.proc)
-            if quiet is None:
-                raise ScenarioFailed("the ranks never reached the quiet point after step "
-                                     f"{QUIET_STEP}: {running.finish().describe()}")
-            damage = incident.act(Scene(h, trial, quiet))
-            go.touch()
+            if quiet is not None:
+                damage = incident.act(Scene(h, trial, quiet, running.proc.pid))
+                go.touch()
     finally:
-        run = running.finish()
-        trial.adopt(run)
+        first = running.finish()
+        trial.adopt(first)
+        Starts([first]).reap()
+    if incident.act is not None and quiet is None:
+        raise ScenarioFailed(f"the ranks never reached the quiet point after step "
+                             f"{QUIET_STEP}: {first.describe()}")
+    runs = [first]
+    try:
+        if incident.relaunch:
+            if first.returncode in (0, None):
+                raise ScenarioFailed(f"the job was to be stopped, but {first.describe()}")
+            published = common_published(trial)
+            runs.append(trial.run("relaunched"))
+    finally:
+        Starts(runs).reap()
         if trial.peers is not None:
             trial.peers.revive()
-    return trial, _judge(incident, trial, Starts(run), damage, ref, verdict)
+    return trial, _judge(incident, trial, Starts(runs), damage, ref, verdict, published)
+
+
+def common_published(trial: Trial) -> int:
+    """The newest step every rank has published on the remote tier (0: none): what a job
+    launched again must restore when nothing else says which saves completed."""
+    from ckptpilot.storage.archive import list_archives
+
+    remote = trial.remote()
+    held = [{step for step, _ in list_archives(remote, r).published}
+            for r in range(trial.ranks)]
+    return max(set.intersection(*held), default=0)
 
 
 def _wait_quiet(out: Path, nproc: int, proc: Any) -> dict[int, dict[str, Any]] | None:
@@ -290,17 +352,18 @@ def _wait_quiet(out: Path, nproc: int, proc: Any) -> dict[int, dict[str, Any]] |
 
 
 def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Damage,
-           ref: Reference, verdict: Verdict) -> str:
+           ref: Reference, verdict: Verdict, published: int | None) -> str:
     run, nproc = starts.run, trial.ranks
     quiet = starts.every("quiet", 0)
     if len(quiet) != nproc:
         raise ScenarioFailed(f"only ranks {sorted(quiet)} reached the quiet point after step "
                              f"{QUIET_STEP}: {run.describe()}")
     verdict.restarts = starts.last
-    if starts.last != incident.restarts:
-        raise ScenarioFailed(f"torchrun started the worker group {starts.last + 1} times, "
-                             f"expected {incident.restarts + 1}: {run.describe()}")
-    expected = _expected(incident, starts, quiet, damage)
+    if starts.last != incident.restarts + int(incident.relaunch):
+        raise ScenarioFailed(f"the worker group was started {starts.last + 1} times, expected "
+                             f"{incident.restarts + int(incident.relaunch) + 1}: "
+                             f"{run.describe()}")
+    expected = _expected(incident, starts, quiet, damage, published)
     notes = []
     for attempt in range(1, starts.last + 1):
         refused = starts.every("refused", attempt)
@@ -333,6 +396,8 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
                                  f"({incident.expect.value})")
         notes.append(f"restart {attempt}: all {nproc} ranks restored step {step} from "
                      f"{'+'.join(sources)}")
+    if incident.ledger_cause is not None:
+        notes.append(_ledgers(incident, trial))
     done = starts.every("done", starts.last)
     if run.returncode != 0 or len(done) != nproc:
         raise ScenarioFailed(f"the job did not finish after its restarts: {run.describe()}")
@@ -340,10 +405,37 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
     verdict.bit_exact = ok
     if not ok:
         raise ScenarioFailed(f"the job is not bit-exact with the uninterrupted one: {why}")
-    died = [f"rank {r} died in the {f['phase']} of step {f['step']}"
-            for r in range(nproc) if (f := starts.get("fault", r, 0)) is not None]
-    head = "; ".join([*([damage.what] if damage.what else []), *died])
+    head = "; ".join([*([damage.what] if damage.what else []), *_faults(starts)])
     return (head + "; " if head else "") + "; ".join(notes) + ", bit-exact"
+
+
+def _ledgers(incident: Incident, trial: CampaignTrial) -> str:
+    """Check that the ranks' failure ledgers recorded the stop with the incident's cause."""
+    from ckptpilot.rundir import ledger_path
+
+    ranks = incident.ledger_ranks or tuple(range(trial.ranks))
+    for r in ranks:
+        path = ledger_path(trial.run_dir, r)
+        if not any(rec.get("kind") == "stop" and rec.get("cause") == incident.ledger_cause
+                   for rec in read_events(path)):
+            raise ScenarioFailed(f"{path}: rank {r}'s failure ledger has no stop record with "
+                                 f"cause {incident.ledger_cause!r}")
+    who = "every rank's" if len(ranks) == trial.ranks else f"rank {', '.join(map(str, ranks))}'s"
+    return f"{who} ledger records a stop ({incident.ledger_cause})"
+
+
+def _faults(starts: Starts) -> list[str]:
+    """What the ranks reported of the incident in the first start."""
+    said = []
+    for r in range(starts.run.ranks):
+        fault, error = starts.get("fault", r, 0), starts.get("error", r, 0)
+        if fault is not None:
+            said.append(f"rank {r}'s disk full from the save of step {fault['step']}"
+                        if fault["phase"] == "enospc"
+                        else f"rank {r} died in the {fault['phase']} of step {fault['step']}")
+        if error is not None:
+            said.append(f"rank {r} stopped with {error['error']}")
+    return said
 
 
 def _restored(restored: dict[int, dict[str, Any]]) -> str:
@@ -352,9 +444,22 @@ def _restored(restored: dict[int, dict[str, Any]]) -> str:
 
 
 def _expected(incident: Incident, starts: Starts, quiet: dict[int, dict[str, Any]],
-              damage: Damage) -> int:
+              damage: Damage, published: int | None) -> int:
     if incident.expect is Expect.QUIET:
         return agreed_step(quiet, damage, incident.lost_tiers)
+    if incident.expect is Expect.PUBLISHED:
+        assert published is not None
+        return published
+    if incident.expect is Expect.EXITED:
+        exited = starts.every("exited", 0)
+        if len(exited) != starts.run.ranks:
+            raise ScenarioFailed(f"only ranks {sorted(exited)} exited through the pilot: "
+                                 f"{starts.runs[0].describe()}")
+        codes = {e["code"] for e in exited.values()}
+        if codes != {incident.exit_code}:
+            raise ScenarioFailed(f"the ranks exited with {sorted(codes, key=str)}, expected "
+                                 f"{incident.exit_code}")
+        return agreed_step(exited, damage, incident.lost_tiers)
     faults = [f for r in range(starts.run.ranks) if (f := starts.get("fault", r, 0))]
     if not faults:
         raise ScenarioFailed(f"no rank reported its fault: {starts.run.describe()}")

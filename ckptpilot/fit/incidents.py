@@ -10,6 +10,8 @@ daemon) are the single-process scenarios'; only the choice of rank and the oracl
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 from collections.abc import Callable
 
@@ -116,6 +118,12 @@ def _metadata_lost(scene: Scene) -> Damage:
     return Damage(f"metadata.sqlite deleted, rank {victim} SIGKILLed")
 
 
+def _node_lost(scene: Scene) -> Damage:
+    os.kill(scene.agent_pid, signal.SIGKILL)
+    scene.kill(*range(scene.ranks))
+    return Damage("the torchrun agent and every rank SIGKILLed (the node lost)")
+
+
 def _peers(*faults: str) -> Act:
     """One fault per holder of rank 0's newest peer checkpoint (``kill`` or ``stop``), then
     the highest rank SIGKILLed. Past the parity count the peer tier is lost."""
@@ -154,6 +162,8 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident("rank-killed", "last rank SIGKILLed between saves", _NEWEST, act=_kill(LAST)),
     Incident("rank0-killed", "rank 0 SIGKILLed between saves", _NEWEST, act=_kill(0)),
     Incident("all-ranks-killed", "every rank SIGKILLed", _NEWEST, act=_kill()),
+    Incident("node-lost", "torchrun agent and every rank SIGKILLed",
+             "the job launched again: " + _NEWEST, act=_node_lost, restarts=0, relaunch=True),
     _in_save("kill-capture", "kill-capture", "during capture"),
     _in_save("kill-write", "kill-write", "mid-write"),
     Incident("kill-fsync", "last rank SIGKILLed in a write's fsync window",

@@ -521,6 +521,8 @@ def main(argv: list[str] | None = None) -> None:
                             lr_scheduler=training.sched, data_state=training.sampler,
                             gpu_health=FROM_POLICY if burst is None else burst)
     job.pilot = pilot
+    if injects and a.fault == "stop-mid-step":
+        rankfaults.stop_mid_step(training.model, lambda: pilot.step, a.at_step, job.events.emit)
     try:
         start = pilot.restore()
     except CkptPilotError as e:
@@ -529,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     rec = pilot.last_recovery
     assert rec is not None
     reached = max((s for s, _ in read_losses(a.out / f"losses_rank{rank:05d}.txt")), default=0)
-    job.events.emit("restored", step=start, reached=reached, source=rec.source.value,
+    job.events.emit("restored", step=start, reached=reached, pid=os.getpid(),
+                    source=rec.source.value,
                     level=rec.level,
                     steps_lost=rec.steps_lost, seconds=rec.seconds, location=rec.location,
                     skipped=[[s.location, s.reason] for s in rec.skipped])
@@ -537,6 +540,9 @@ def main(argv: list[str] | None = None) -> None:
         if not a.exit_after_restore:
             _train(a, job, pilot, training, start, burst)
         pilot.close()
+    except SystemExit as e:  # the pilot ends the process (a preemption notice honoured)
+        job.events.emit("exited", code=e.code, step=pilot.step, saves=job.saves())
+        raise
     except CkptPilotError as e:
         job.events.emit("error", error=type(e).__name__, message=str(e), saves=job.saves())
         os._exit(EXIT_ERROR)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import stat
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from ckptpilot.storage.archive import MANIFEST_FILE, checkpoint_name, parse_chec
 from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
 
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
-FAULTS = ("kill-fsync", "kill-staged", "kill-publish-all", "clock-back")
+FAULTS = ("kill-fsync", "kill-staged", "kill-publish-all", "clock-back", "stop-mid-step")
 CLOCK_BACK_SECONDS = -86400.0
 OTHER_RANKS_WAIT_SECONDS = 60.0
 GO_WAIT_SECONDS = 120.0
@@ -85,7 +86,7 @@ def _kill_at_publish(die: Die, at_step: int, *, world_size: int, after: bool) ->
             original(self, staging, final)
             return
         if not after:
-            die("staged", step, tier="remote")
+            die("stage (before publish)", step, tier="remote")
         original(self, staging, final)
         waited = wait_for(lambda: all(self.exists(f"{checkpoint_name(step, r)}/{MANIFEST_FILE}")
                                       for r in range(world_size)), OTHER_RANKS_WAIT_SECONDS)
@@ -107,8 +108,23 @@ def install(fault: str, at_step: int, die: Die, world_size: int) -> None:
         _kill_at_publish(die, at_step, world_size=world_size, after=fault == "kill-publish-all")
     elif fault == "clock-back":
         _clock_back()
+    elif fault == "stop-mid-step":
+        pass  # needs the model: ``stop_mid_step``, once it is built
     else:
         raise ValueError(f"unknown campaign fault {fault!r}; valid: {', '.join(FAULTS)}")
+
+
+def stop_mid_step(model: torch.nn.Module, step_now: Callable[[], int], at_step: int,
+                  emit: Callable[..., None]) -> None:
+    """SIGSTOP this process as the forward pass of step ``at_step`` begins: a rank hung in
+    the middle of a step, its sockets open, its peers waiting for it in the next collective."""
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        step = step_now() + 1
+        if step >= at_step:
+            emit("fault", phase="forward (SIGSTOP)", step=step)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    model.register_forward_pre_hook(hook)
 
 
 def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
