@@ -256,7 +256,7 @@ def make_reference(h: Harness, nproc: int, reference_dir: Path | None,
     t0 = time.monotonic()
     trial = CampaignTrial(h, REFERENCE, nproc=nproc, max_restarts=0, peers=False, policy={})
     run = trial.run("uninterrupted")
-    starts = Starts(run)
+    starts = Starts([run])
     if run.returncode != 0 or len(starts.every("done", 0)) != nproc:
         raise HarnessError(f"the uninterrupted reference job failed: {run.describe()}")
     found = load_reference(run.out, nproc, STEPS)
@@ -303,6 +303,9 @@ def run_incident(h: Harness, incident: Incident, ref: Reference, nproc: int,
                 damage = incident.act(Scene(h, trial, quiet, running.proc.pid))
                 go.touch()
     finally:
+        if go is not None and not go.exists():  # the action failed: end the job at once
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(running.proc.pid, signal.SIGKILL)
         first = running.finish()
         trial.adopt(first)
         Starts([first]).reap()
