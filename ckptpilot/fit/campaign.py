@@ -136,6 +136,7 @@ class Incident:
     exit_code: int | None = None  # Expect.EXITED: the status every rank exits with
     ledger_cause: str | None = None  # the cause of the stop record the ranks' ledgers hold
     ledger_ranks: tuple[int, ...] = ()  # the ranks that must record it (empty: every rank)
+    logged: str | None = None  # what the pilot of each of those ranks logs as it exits
 
 
 def free_port() -> int:
@@ -417,7 +418,12 @@ def _ledgers(incident: Incident, trial: CampaignTrial) -> str:
     from ckptpilot.rundir import ledger_path
 
     ranks = incident.ledger_ranks or tuple(range(trial.ranks))
+    log = (trial.runs[0].out / "child.log").read_text(errors="replace").splitlines()
     for r in ranks:
+        if incident.logged is not None and not any(
+                f"rank {r}:" in line and incident.logged in line for line in log):
+            raise ScenarioFailed(f"rank {r} did not log '{incident.logged}' "
+                                 f"({trial.runs[0].out / 'child.log'})")
         path = ledger_path(trial.run_dir, r)
         if not any(rec.get("kind") == "stop" and rec.get("cause") == incident.ledger_cause
                    for rec in read_events(path)):

@@ -124,6 +124,23 @@ def _node_lost(scene: Scene) -> Damage:
     return Damage("the torchrun agent and every rank SIGKILLed (the node lost)")
 
 
+def _signal(sig: signal.Signals, rank: int) -> Act:
+    """Send ``sig`` to one rank waiting at the quiet point (a preemption notice)."""
+    def act(scene: Scene) -> Damage:
+        victim = rank_of(rank, scene.ranks)
+        scene.kill(victim, sig=sig)
+        return Damage(f"{sig.name} to rank {victim} after step {scene.quiet[victim]['step']}")
+    return act
+
+
+def _signal_agent(sig: signal.Signals) -> Act:
+    """Send ``sig`` to the torchrun agent, which stops every rank with SIGTERM and exits."""
+    def act(scene: Scene) -> Damage:
+        os.kill(scene.agent_pid, sig)
+        return Damage(f"{sig.name} to the torchrun agent after step {scene.quiet[0]['step']}")
+    return act
+
+
 def _peers(*faults: str) -> Act:
     """One fault per holder of rank 0's newest peer checkpoint (``kill`` or ``stop``), then
     the highest rank SIGKILLed. Past the parity count the peer tier is lost."""
@@ -143,6 +160,10 @@ def _peers(*faults: str) -> Act:
                       f"{victim} SIGKILLed",
                       lost_tiers=frozenset({"peer"}) if len(faults) > parity else frozenset())
     return act
+
+
+_PREEMPTED = ("every rank saves the emergency organ of the step after the notice, records a "
+              "preemption and exits 75 (PREEMPTED); ")
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -210,6 +231,31 @@ INCIDENTS: tuple[Incident, ...] = (
              act=_damaged(forged_row_digest)),
     Incident("metadata-lost", "metadata DB deleted", "restores from the manifests; " + _NEWEST,
              act=_metadata_lost),
+    Incident("preempt-rank-sigterm", "SIGTERM to the last rank (preemption notice)",
+             _PREEMPTED + "the restart restores that organ; bit-exact",
+             act=_signal(signal.SIGTERM, LAST), expect=Expect.EXITED, exit_code=75,
+             ledger_cause="preemption"),
+    Incident("preempt-rank0-sigusr1", "SIGUSR1 to rank 0 (Slurm's notice)",
+             _PREEMPTED + "the restart restores that organ; bit-exact",
+             act=_signal(signal.SIGUSR1, 0), expect=Expect.EXITED, exit_code=75,
+             ledger_cause="preemption"),
+    Incident("preempt-agent-sigterm", "SIGTERM to the torchrun agent (every rank)",
+             "the agent stops every rank with SIGTERM: " + _PREEMPTED + "the job launched "
+             "again restores that organ; bit-exact", act=_signal_agent(signal.SIGTERM),
+             restarts=0, relaunch=True, expect=Expect.EXITED, exit_code=75,
+             ledger_cause="preemption"),
+    Incident("preempt-short-grace", "SIGTERM to the agent, grace_seconds too short",
+             "the organ is not durable in time: every rank records a preemption and exits 76 "
+             "(PREEMPTED_UNSAVED); the job launched again restores the newest step every rank "
+             "published; bit-exact", act=_signal_agent(signal.SIGTERM), restarts=0,
+             relaunch=True, expect=Expect.PUBLISHED, ledger_cause="preemption",
+             logged="exiting with status 76", policy={"preemption": {"grace_seconds": 0.001}}),
+    Incident("hang-sigstop", "the last rank SIGSTOPped mid-step (a hang)",
+             "rank 0's watchdog records a hang and exits 77 (HANG); torchrun restarts the job: "
+             + _NEWEST, job={"fault": "stop-mid-step", "fault_rank": LAST, "at_step": FAULT_STEP},
+             policy={"watchdog": {"enabled": True, "min_seconds": 20.0,
+                                  "step_time_multiple": 2.0}},
+             ledger_cause="hang", ledger_ranks=(0,), logged="Exiting with status 77"),
     Incident("peer-lost-1", "one peer daemon killed", "rebuilt from parity; " + _NEWEST,
              act=_peers("kill"), needs=Needs.PEERS),
     Incident("peer-lost-2", "two peer daemons killed",
