@@ -150,3 +150,23 @@ def test_bad_campaign_input_is_a_one_line_error_with_exit_2(
     assert err.count("\n") == 1
     assert err.startswith(f"ckptpilot fit: error: {message}")
     assert not (tmp_path / "w").exists()
+
+
+def test_the_starts_of_a_job_launched_again_are_numbered_on(tmp_path: Path) -> None:
+    from ckptpilot.fit.campaign import Starts
+    from ckptpilot.fit.harness import ChildRun
+
+    runs = []
+    for label, attempts in (("job", (0, 1)), ("relaunched", (0,))):
+        out = tmp_path / label
+        out.mkdir()
+        for rank in range(2):
+            (out / f"events_rank{rank:05d}.jsonl").write_text("".join(
+                json.dumps({"event": "restored", "attempt": a, "step": 10 * a + rank}) + "\n"
+                for a in attempts) + '{"event": "torn')
+        runs.append(ChildRun(label, out, 0, 1.0, 2))
+    starts = Starts(runs)
+    assert starts.last == 2
+    assert starts.launch_of == {0: 0, 1: 0, 2: 1}
+    assert {r: e["step"] for r, e in starts.every("restored", 1).items()} == {0: 10, 1: 11}
+    assert {r: e["step"] for r, e in starts.every("restored", 2).items()} == {0: 0, 1: 1}

@@ -370,19 +370,21 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
     expected = _expected(incident, starts, quiet, damage, published)
     notes = []
     for attempt in range(1, starts.last + 1):
+        which = (f"restart {attempt}" if starts.launch_of[attempt] == starts.launch_of[attempt - 1]
+                 else "launched again")
         refused = starts.every("refused", attempt)
         restored = starts.every("restored", attempt)
         if attempt <= incident.refusals:
             if len(refused) != nproc:
-                raise ScenarioFailed(f"restart {attempt}: every rank had to refuse; ranks "
+                raise ScenarioFailed(f"{which}: every rank had to refuse; ranks "
                                      f"{sorted(refused)} refused, {_restored(restored)}")
             errors = sorted({e["error"] for e in refused.values()})
-            notes.append(f"restart {attempt}: all {nproc} ranks refused ({', '.join(errors)})")
+            notes.append(f"{which}: all {nproc} ranks refused ({', '.join(errors)})")
             continue
         if len(restored) != nproc:
             why = "; ".join(f"rank {r}: {e['error']}: {e['message']}"
                             for r, e in refused.items())
-            raise ScenarioFailed(f"restart {attempt}: ranks {sorted(restored)} of {nproc} "
+            raise ScenarioFailed(f"{which}: ranks {sorted(restored)} of {nproc} "
                                  f"restored{'; ' + why if why else ''}: {run.describe()}")
         steps = {e["step"] for e in restored.values()}
         sources = sorted({e["source"] for e in restored.values()})
@@ -391,14 +393,14 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
         verdict.steps_lost = max(e["reached"] for e in restored.values()) - min(steps)
         verdict.restore_seconds = max(e["seconds"] for e in restored.values())
         if len(steps) != 1:
-            raise ScenarioFailed(f"restart {attempt}: the ranks restored different steps: "
+            raise ScenarioFailed(f"{which}: the ranks restored different steps: "
                                  f"{_restored(restored)}")
         step = steps.pop()
         if step != expected:
-            raise ScenarioFailed(f"restart {attempt}: every rank restored step {step}, but the "
+            raise ScenarioFailed(f"{which}: every rank restored step {step}, but the "
                                  f"step every rank held after the incident is {expected} "
                                  f"({incident.expect.value})")
-        notes.append(f"restart {attempt}: all {nproc} ranks restored step {step} from "
+        notes.append(f"{which}: all {nproc} ranks restored step {step} from "
                      f"{'+'.join(sources)}")
     if incident.ledger_cause is not None:
         notes.append(_ledgers(incident, trial))
