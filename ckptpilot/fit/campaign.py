@@ -48,6 +48,7 @@ from ckptpilot.fit.harness import (
     Trial,
     load_reference,
     read_events,
+    read_losses,
 )
 from ckptpilot.fit.report import Outcome, Result
 from ckptpilot.policy import load_policy
@@ -209,6 +210,14 @@ class Starts:
     def get(self, kind: str, rank: int, attempt: int) -> dict[str, Any] | None:
         return next((e for e in self.events[rank]
                      if e["event"] == kind and e["attempt"] == attempt), None)
+
+    def reached(self, attempt: int, restored: dict[str, Any]) -> int:
+        """The newest step trained before ``attempt`` (a job launched again starts a new
+        losses file: the earlier launches' count too)."""
+        earlier = [s for run in self.runs[:self.launch_of[attempt]]
+                   for r in range(run.ranks)
+                   for s, _ in read_losses(run.out / f"losses_rank{r:05d}.txt")]
+        return max([restored["reached"], *earlier])
 
     def reap(self) -> None:
         """SIGKILL any worker still alive (a stopped rank the agent left behind): torchrun
@@ -374,7 +383,7 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
                  else "launched again")
         refused = starts.every("refused", attempt)
         restored = starts.every("restored", attempt)
-        if attempt <= incident.refusals:
+        if attempt <= incident.refusals or (expected == 0 and _held_any(quiet)):
             if len(refused) != nproc:
                 raise ScenarioFailed(f"{which}: every rank had to refuse; ranks "
                                      f"{sorted(refused)} refused, {_restored(restored)}")
@@ -390,7 +399,7 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
         sources = sorted({e["source"] for e in restored.values()})
         verdict.recovered_step = min(steps)
         verdict.source = "+".join(sources)
-        verdict.steps_lost = max(e["reached"] for e in restored.values()) - min(steps)
+        verdict.steps_lost = max(starts.reached(attempt, e) for e in restored.values()) - min(steps)
         verdict.restore_seconds = max(e["seconds"] for e in restored.values())
         if len(steps) != 1:
             raise ScenarioFailed(f"{which}: the ranks restored different steps: "
@@ -404,6 +413,13 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
                      f"{'+'.join(sources)}")
     if incident.ledger_cause is not None:
         notes.append(_ledgers(incident, trial))
+    head = "; ".join([*([damage.what] if damage.what else []), *_faults(starts)])
+    head = head + "; " if head else ""
+    if expected == 0 and _held_any(quiet):
+        if run.returncode == 0:
+            raise ScenarioFailed(f"nothing loadable was left, yet {run.describe()}")
+        return (f"{head}nothing loadable left on any rank; " + "; ".join(notes)
+                + "; torchrun gave up, never a start from scratch")
     done = starts.every("done", starts.last)
     if run.returncode != 0 or len(done) != nproc:
         raise ScenarioFailed(f"the job did not finish after its restarts: {run.describe()}")
@@ -411,8 +427,12 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
     verdict.bit_exact = ok
     if not ok:
         raise ScenarioFailed(f"the job is not bit-exact with the uninterrupted one: {why}")
-    head = "; ".join([*([damage.what] if damage.what else []), *_faults(starts)])
-    return (head + "; " if head else "") + "; ".join(notes) + ", bit-exact"
+    return head + "; ".join(notes) + ", bit-exact"
+
+
+def _held_any(quiet: dict[int, dict[str, Any]]) -> bool:
+    """Whether some rank had completed a save (so restoring nothing is no fresh start)."""
+    return any(s["status"] == "valid" for e in quiet.values() for s in e["saves"])
 
 
 def _ledgers(incident: Incident, trial: CampaignTrial) -> str:
@@ -441,9 +461,12 @@ def _faults(starts: Starts) -> list[str]:
     for r in range(starts.run.ranks):
         fault, error = starts.get("fault", r, 0), starts.get("error", r, 0)
         if fault is not None:
-            said.append(f"rank {r}'s disk full from the save of step {fault['step']}"
-                        if fault["phase"] == "enospc"
-                        else f"rank {r} died in the {fault['phase']} of step {fault['step']}")
+            phase, step = fault["phase"], fault["step"]
+            said.append(f"rank {r}'s disk full from the save of step {step}"
+                        if phase == "enospc" else f"rank {r} died {phase} of step {step}"
+                        if phase.startswith("after") else f"rank {r} stopped in its {phase} "
+                        f"at step {step}" if "SIGSTOP" in phase
+                        else f"rank {r} died in the {phase} of step {step}")
         if error is not None:
             said.append(f"rank {r} stopped with {error['error']}")
     return said

@@ -260,7 +260,8 @@ INCIDENTS: tuple[Incident, ...] = (
              act=_peers("kill"), needs=Needs.PEERS),
     Incident("peer-lost-2", "two peer daemons killed",
              "the peer tier is lost: every rank restores the newest step all hold on the "
-             "remote tier; bit-exact", act=_peers("kill", "kill"), needs=Needs.PEERS),
+             "remote tier, bit-exact (or, where it holds none, every rank refuses in every "
+             "restart)", act=_peers("kill", "kill"), needs=Needs.PEERS),
     Incident("slow-peer", "one peer daemon stopped (SIGSTOP)",
              "the other peers answer within their timeouts; " + _NEWEST,
              act=_peers("stop"), needs=Needs.PEERS),
