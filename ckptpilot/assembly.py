@@ -59,7 +59,7 @@ all-reduce before the clean end goes into the ledger, the metadata store last.""
 
 @dataclass(frozen=True)
 class RunParts:
-    """The parts of one rank's pilot (see the README's "Layout" for what each does)."""
+    """The parts of one rank's pilot (docs/reference/layout.md says what each does)."""
 
     run_id: str
     remote: RemoteTier

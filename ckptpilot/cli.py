@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run_parser("ls", "list the run's checkpoints (step, level, tier, status, class, size, age)")
     rec = run_parser("recover", "make step N the point the next restore() loads")
-    rec.add_argument("--step", type=_non_negative_int, required=True)
+    rec.add_argument("--step", type=_non_negative_int, required=True,
+                     help="the step the next restore() loads")
     rec.add_argument("--dry-run", action="store_true", help="print what would happen only")
     rec.add_argument("--force", action="store_true",
                      help="allow a checkpoint whose status is not valid (audited)")

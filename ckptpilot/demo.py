@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ scheduler: {base_interval: 40, min_interval: 10, max_interval: 500}
 rollback: {enabled: true}
 """
 CONTEXT = 64
-BATCH = 32
+PROGRESS_SECONDS = 5.0
+"""The longest the demo stays silent."""
+BATCH = 16
 BUMP = 100.0
 """The learning-rate multiplier of the demo's two-step mistake (AdamW: the loss goes from
 ~2.3 to above 6 and takes tens of steps to come back)."""
@@ -124,7 +127,7 @@ class DemoJob:
 def build_demo_job(steps: int) -> DemoJob:
     torch.manual_seed(0)
     text = stdlib_text()
-    model = CharTransformer()
+    model = CharTransformer(dim=96)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps,
                                                 pct_start=0.1)
@@ -228,8 +231,10 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
            "--config", str(config), "--steps", str(steps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
     t0 = time.monotonic()
+    ticker = _Ticker(label, run, total)
     try:
         for ev in _events(proc):
+            ticker.heard()
             kind = ev["event"]
             if kind == "restored":
                 run.restored = ev
@@ -243,7 +248,8 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                 if ev["lr_factor"] != 1.0:
                     print(f"[{label}] step {ev['step']:>5}: learning rate x{ev['lr_factor']:g} "
                           f"(the operator's mistake), loss {ev['loss']:.3f}")
-                if ev["step"] % 50 == 0 or ev["step"] == steps:
+                if ev["step"] % 50 == 0 or ev["step"] == steps or ticker.due():
+                    ticker.printed()
                     rate = (ev["step"] - run.restored.get("step", 0)) / (time.monotonic() - t0)
                     print(f"[{label}] step {ev['step']:>5}/{total}  loss {ev['loss']:.3f}  "
                           f"{rate:5.1f} steps/s  checkpoints written {len(run.saves)}")
@@ -268,7 +274,47 @@ def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _R
                 run.done = True
                 run.stats = ev["stats"]
     finally:
+        ticker.stop()
         run.returncode = proc.wait()
+
+
+class _Ticker:
+    """A progress line at least every :data:`PROGRESS_SECONDS`, even while the child prints
+    nothing (importing torch, restoring, a busy machine's slow steps): a newcomer should never
+    wonder whether the demo hangs."""
+
+    def __init__(self, label: str, run: _Run, total: int) -> None:
+        self._label, self._run, self._total = label, run, total
+        self._last = time.monotonic()
+        self._started = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="demo-progress", daemon=True)
+        self._thread.start()
+
+    def heard(self) -> None:
+        self._started = True
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= PROGRESS_SECONDS - 1.0
+
+    def printed(self) -> None:
+        self._last = time.monotonic()
+
+    def _loop(self) -> None:
+        while not self._done.wait(0.5):
+            if time.monotonic() - self._last < PROGRESS_SECONDS:
+                continue
+            self.printed()
+            if not self._started:
+                print(f"[{self._label}] starting: importing torch, building the model, "
+                      "looking for a checkpoint to restore", flush=True)
+            else:
+                print(f"[{self._label}] step {self._run.last_step:>5}/{self._total}  "
+                      "(still working: this step is slow on a busy machine)", flush=True)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _saved_before(run: _Run, step: int) -> bool:

@@ -1,7 +1,7 @@
 """CheckpointPilot: the one object a training loop talks to.
 
-A facade over the parts of a checkpointing run (README "Layout"): per step, ``observe``
-(training thread) measures the signals and the adaptive scheduler decides
+A facade over the parts of a checkpointing run (docs/reference/layout.md): per step,
+``observe`` (training thread) measures the signals and the adaptive scheduler decides
 (``scheduler/``; in a distributed run the ranks agree through ``agreement``) → a save copies
 the complete state into host memory (``state.capture``, the only cost training pays) → the
 writer (``writer``) executes the save's plan (``saveplan``) on its background thread, tier by

@@ -20,9 +20,9 @@ count is checked against its shard count, and the remote URL's fsspec protocol a
 installed backends, because both would otherwise fail only when the pilot starts.
 
 Long because the schema is one document: every section of the policy YAML is a model here
-with its bounds and its error messages, and users and the README read it as one file; split,
-the cross-section checks (endpoints against shards, codecs against tiers) would import across
-modules for no gain.
+with its bounds and its error messages, and docs/reference/policy.md is generated from it as
+one page; split, the cross-section checks (endpoints against shards, codecs against tiers)
+would import across modules for no gain.
 
 The YAML reader refuses what PyYAML would turn into another exception or an unbounded cost:
 bytes that are not UTF-8, integer literals too long for ``int`` (Python's digit limit),
@@ -518,12 +518,12 @@ class SchedulerPolicy(_Section):
 
 
 class RollbackPolicy(_Section):
-    """Instability rollback (README "Instability rollback"): spike detection and what to do.
+    """Instability rollback (docs/concepts/rollback.md): spike detection and what to do.
 
     A loss above ``spike_factor`` × the median of the last ``baseline_window`` losses for
     ``patience`` steps in a row, or a NaN/inf loss at once, is a spike; its onset is the first
-    of those steps. The newest save before the onset is classed ``important`` at least,
-    whether or not ``enabled``. With ``enabled`` the pilot also restores it, skips
+    of those steps. The newest save before the onset is classed ``critical``, whether or not
+    ``enabled``. With ``enabled`` the pilot also restores it, skips
     ``skip_batches`` batches of the data cursor (null: as many as steps were trained from the
     restored step to the detection) and trains on; more than ``max_rollbacks`` rollbacks
     within ``window_steps`` steps raise :class:`ckptpilot.RollbackLimitError`.

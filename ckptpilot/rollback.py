@@ -1,5 +1,5 @@
-"""Instability rollback: what the pilot does when a loss spike is confirmed (README
-"Instability rollback").
+"""Instability rollback: what the pilot does when a loss spike is confirmed
+(docs/concepts/rollback.md).
 
 This module owns :class:`RollbackGuard`: it feeds each step's loss to the
 :class:`~ckptpilot.scheduler.spike.SpikeDetector` and, for each confirmed spike, protects the

@@ -2,7 +2,9 @@
 
 Owns one background thread and the files it writes; nothing else. The training thread only
 enqueues plain values (``decision`` costs a deque append), so importing TensorBoard (about a
-second), building protobufs and writing files never run on it. ``close()`` drains the queue.
+second), building protobufs and writing files never run on it, and the thread runs at idle
+priority (``ckptpilot.background``), so they take no time slice from training either.
+``close()`` drains the queue.
 
 Every decision goes to ``decisions_rank_{rank:05d}.jsonl``. TensorBoard gets
 ``checkpoint/score``, ``checkpoint/interval``, ``checkpoint/level`` (0 heartbeat only, 1 pulse,
@@ -21,6 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from ckptpilot.background import lower_priority, urgent
 from ckptpilot.scheduler.decision import CheckpointDecision
 
 log = logging.getLogger("ckptpilot")
@@ -61,12 +64,14 @@ class Telemetry:
             return
         self._stop = True
         self._wake.set()
-        self._thread.join()
+        with urgent():  # the thread runs at idle priority; now training waits for it
+            self._thread.join()
         self._thread = None
 
     # -- telemetry thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        lower_priority()  # TensorBoard's import and protobufs take no time slice from training
         while True:
             self._wake.wait(0.5)
             self._wake.clear()

@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from ckptpilot.autoprune import AutoPruner, DiskBudgetError
-from ckptpilot.background import background_pool
+from ckptpilot.background import background_pool, lift, settle, urgent
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
@@ -60,6 +60,9 @@ from ckptpilot.vocab import Level, RetentionClass, Status, Tier
 __all__ = ["CheckpointWriter", "SaveRecord"]
 
 log = logging.getLogger("ckptpilot")
+
+PATIENCE_SECONDS = 5.0
+"""The least time a save may wait for idle cores before it is lifted (``_rescue``)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class _Job:
     what: str
     future: Future[Any] = field(init=False)
     tier: Tier | None = None
+    queued: float = field(default_factory=time.monotonic)
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -152,13 +156,16 @@ class CheckpointWriter:
         self._jobs: deque[_Job] = deque()
         self._peer_step: int | None = None  # the newest checkpoint the peers took from us
         self.saves: list[SaveRecord] = []
+        self._lifted: _Job | None = None  # the save lifted off idle priority (see _rescue)
 
     # -- training thread -------------------------------------------------------------------
 
     def acquire_slot(self) -> None:
         """Wait for room for one more snapshot (back-pressure); :meth:`submit` or
         :meth:`release_slot` gives it back."""
-        self._slots.acquire()
+        if not self._slots.acquire(blocking=False):
+            with urgent():  # training now waits for the saves: they may not starve
+                self._slots.acquire()
 
     def release_slot(self) -> None:
         self._slots.release()
@@ -179,7 +186,9 @@ class CheckpointWriter:
         self._jobs.append(job)
 
     def raise_errors(self) -> None:
-        """Raise the first error of a finished job as ``CheckpointWriteError``."""
+        """Raise the first error of a finished job as ``CheckpointWriteError``; lift a save
+        that has waited too long for idle cores (:meth:`_rescue`)."""
+        self._rescue()
         while self._jobs and self._jobs[0].future.done():
             job = self._jobs.popleft()
             error = job.future.exception()
@@ -188,14 +197,42 @@ class CheckpointWriter:
                     f"background {job.what} of step {job.step}{self._tier_words(job.tier)} "
                     f"failed: {error}") from error
 
+    def _rescue(self) -> None:
+        """Background threads run at idle priority (``ckptpilot.background``): on cores that
+        training (or anything else) keeps busy, a save could wait indefinitely, and the
+        newest recovery point fall behind. A save queued longer than
+        :meth:`_patience_seconds` ago is lifted to ``nice 10`` until it is done."""
+        if self._lifted is not None:
+            if not self._lifted.future.done():
+                return
+            self._lifted = None
+            settle()
+        oldest = next((job for job in self._jobs
+                       if job.what == "save" and not job.future.done()), None)
+        if oldest is not None and time.monotonic() - oldest.queued > self._patience_seconds():
+            log.info("the save of step %d has waited %.1f s for idle cores: it now runs at "
+                     "nice 10", oldest.step, time.monotonic() - oldest.queued)
+            self._lifted = oldest
+            lift()
+
+    def _patience_seconds(self) -> float:
+        """How long a save may take at idle priority: twice the quickest of the last saves
+        (what a save costs when it is not starved), and never less than :data:`PATIENCE_SECONDS`."""
+        recent = [r.persist_seconds for r in self.saves[-5:]]
+        return max(PATIENCE_SECONDS, 2 * min(recent, default=0.0))
+
     def flush(self) -> None:
         """Wait for every queued job; raises the first background error."""
-        for job in list(self._jobs):
-            job.future.exception()
+        with urgent():
+            for job in list(self._jobs):
+                job.future.exception()
         self.raise_errors()
 
     def shutdown(self) -> None:
         self._executor.shutdown()
+        if self._lifted is not None:
+            self._lifted = None
+            settle()
 
     def _tier_words(self, tier: Tier | None) -> str:
         if tier is Tier.REMOTE:

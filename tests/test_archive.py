@@ -245,3 +245,19 @@ def test_a_durable_file_leaves_the_page_cache_and_an_unsynced_one_stays(tmp_path
     assert _resident_share(tmp_path / "durable.bin") < 0.1
     assert _resident_share(tmp_path / "cached.bin") > 0.9
     assert (tmp_path / "durable.bin").read_bytes() == data[0]  # read back from the disk
+
+
+def test_the_torch_free_header_checks_know_every_dtype_the_archive_and_the_codecs_write(
+        ) -> None:
+    from ckptpilot.codecs.blob import DTYPES
+    from ckptpilot.format.container_index import ITEM_BYTES, SAFETENSORS_NAMES
+    from ckptpilot.format.safetensors_header import ELEMENT_BYTES
+
+    written = archive._SAFETENSORS_DTYPES
+    assert set(ELEMENT_BYTES) == set(written.values())
+    for dtype, name in written.items():
+        assert ELEMENT_BYTES[name] == torch.empty((), dtype=dtype).element_size(), name
+    assert set(ITEM_BYTES) == set(DTYPES)
+    for name, dtype in DTYPES.items():
+        assert ITEM_BYTES[name] == dtype.itemsize, name
+        assert SAFETENSORS_NAMES.get(name) == written.get(dtype), name

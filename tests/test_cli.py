@@ -105,6 +105,34 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_demo_is_never_silent_for_long(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A child that prints nothing (importing torch, a slow step) still gets a line every
+    PROGRESS_SECONDS: before its first event one that says it is starting, after it the step
+    it is on."""
+    import time
+
+    from ckptpilot import demo
+
+    monkeypatch.setattr(demo, "PROGRESS_SECONDS", 0.2)
+    run = demo._Run(last_step=7)
+    ticker = demo._Ticker("run 1", run, 40)
+    lines: list[str] = []
+    deadline = time.monotonic() + 60  # a safety net: the first line is due after 0.2 s
+    try:
+        while not any("starting" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            lines += capsys.readouterr().out.splitlines()
+        ticker.heard()
+        while not any("step     7/40" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            lines += capsys.readouterr().out.splitlines()
+    finally:
+        ticker.stop()
+    assert any(line.startswith("[run 1] starting: importing torch") for line in lines)
+    assert any(line.startswith("[run 1] step     7/40  (still working") for line in lines)
+
+
 def test_demo_refuses_a_foreign_non_empty_run_dir(tmp_path: Path) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
     out = ckptpilot("demo", "--run-dir", str(tmp_path))

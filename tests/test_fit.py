@@ -2,7 +2,7 @@
 
 The fast subset CI runs: a real `ckptpilot fit` process with real training children that kill
 and damage themselves, checked through its JSON rows, fit.json and TensorBoard. The whole
-suite (`ckptpilot fit --with-peers`) runs by hand; see the README.
+suite (`ckptpilot fit --with-peers`) runs by hand; see docs/operations/fit.md.
 """
 
 from __future__ import annotations

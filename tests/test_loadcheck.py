@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckptpilot.codecs import get_codec
 from ckptpilot.state import TrainingComponents, capture
 from ckptpilot.storage.archive import STATE_FILE, TENSORS_FILE, model_layout, stage_organ
 from ckptpilot.tiers.remote import RemoteTier
@@ -24,12 +25,15 @@ def checker() -> Any:
     lc.close()
 
 
-def staged(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+def staged(tmp_path: Path, *, container: bool = False
+           ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """An organ's files (safetensors), or with ``container`` a pulse's (the codec container)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64))
     snap = capture(TrainingComponents(model), step=4)
     tier = RemoteTier(str(tmp_path / "ckpt"))
-    st = stage_organ(tier, snap)
+    zstd = get_codec("zstd")
+    st = stage_organ(tier, snap, codec_for=(lambda name, t: (zstd, None)) if container else None)
     return Path(tier.path(st.staging)), json.loads(json.dumps(st.manifest)), model_layout(snap)
 
 
@@ -209,3 +213,44 @@ def test_a_load_beyond_the_memory_bound_fails_and_the_worker_survives(tmp_path: 
         assert lc._proc is not None and lc._proc.pid == pid  # the same worker, still serving
     finally:
         lc.close()
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_the_default_mode_runs_without_torch_and_the_paranoid_mode_loads_it(
+        tmp_path: Path) -> None:
+    """Checking headers, indexes and JSON needs no torch, for an organ's safetensors and a
+    pulse's container alike: a worker that imported it would cost every training run its
+    import (CPU seconds beside the first steps, hundreds of MB of memory)."""
+    organ = staged(tmp_path / "organ")
+    pulse = staged(tmp_path / "pulse", container=True)
+    assert "tensors.ckpt" in pulse[1]["files"]
+    lc = LoadChecker(timeout_seconds=60)
+    try:
+        counts = []
+        for d, manifest, layout in (organ, pulse):
+            result = lc.check(d, manifest, layout, reread=False)
+            assert result.ok, result.reason
+            counts.append(result.tensors)
+        assert counts[0] == counts[1] > 4  # the model's 4 tensors and the rest of the state
+        assert lc._proc is not None
+        pid = lc._proc.pid
+        assert not _maps_torch(pid)
+        for d, manifest, layout in (organ, pulse):  # decodes: torch, before its limit
+            assert lc.check(d, manifest, layout, reread=True).ok
+        assert lc._proc.pid == pid and _maps_torch(pid)
+    finally:
+        lc.close()
+
+
+def test_a_pulse_whose_layout_differs_from_the_live_model_fails_in_the_default_mode(
+        checker: LoadChecker, tmp_path: Path) -> None:
+    d, manifest, layout = staged(tmp_path, container=True)
+    layout["model/0.weight"] = ("F32", [64, 31])
+    result = checker.check(d, manifest, layout, reread=False)
+    assert not result.ok
+    assert "model/0.weight: checkpoint has F32 [64, 32], the live model F32 [64, 31]" in \
+        result.reason

@@ -28,7 +28,7 @@ code"). Not a cryptographic hash: the container adds a SHA256 per tensor.
 
 Checksums catch accidents, not a hostile or buggy writer: a header can be forged with valid
 checksums. So nothing a header says is trusted for an allocation: shapes are capped
-(:data:`MAX_NDIM` dimensions, :data:`MAX_TENSOR_BYTES`), and codecs call
+(``format.container_index.MAX_NDIM`` dimensions and ``MAX_TENSOR_BYTES``), and codecs call
 :meth:`Frame.check_sections` before allocating the tensor, which ties its size to the payload
 bytes actually present (exactly for stored sections, within :data:`MAX_EXPANSION` for
 zstd-coded ones, whose frames must also record that size: ``entropy.check_payload``).
@@ -49,6 +49,7 @@ import torch
 import xxhash
 
 from ckptpilot.errors import CheckpointFormatError
+from ckptpilot.format.container_index import shape_nbytes
 
 MAGIC = b"CKPB"
 FORMAT_VERSION = 2
@@ -58,11 +59,6 @@ _ENTRIES = {1: struct.Struct("<QI"), 2: struct.Struct("<QQ")}  # length, checksu
 _CHECKSUMS: dict[int, Callable[[Buffer], int]] = {1: zlib.crc32, 2: xxhash.xxh3_64_intdigest}
 _CRC = struct.Struct("<I")
 
-MAX_NDIM = 64
-"""The most dimensions a blob's shape may have (NumPy's limit)."""
-MAX_TENSOR_BYTES = 1 << 48
-"""The largest tensor a blob may describe (256 TiB): far beyond any real tensor, small enough
-that sizes stay exact in 64-bit arithmetic."""
 MAX_EXPANSION = 1 << 15
 """How many bytes one byte of zstd-coded payload can decode to at most: a zstd block decodes
 to at most 128 KiB and takes at least 4 bytes (an RLE block)."""
@@ -293,26 +289,8 @@ def _bytes_view(blob: Buffer) -> memoryview:
 def tensor_nbytes(shape: object, dtype: torch.dtype, what: str) -> int:
     """The byte size of a tensor of ``shape`` (a list of ints from a header) and ``dtype``;
     :class:`CheckpointFormatError` naming ``what`` unless the shape is a list of at most
-    :data:`MAX_NDIM` non-negative ints describing at most :data:`MAX_TENSOR_BYTES`."""
-    if (
-        not isinstance(shape, list | tuple)
-        or len(shape) > MAX_NDIM
-        or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_BYTES
-            for d in shape
-        )
-    ):
-        raise CheckpointFormatError(
-            f"{what} has a bad shape {shape!r:.200} (expected at most {MAX_NDIM} "
-            "non-negative integers)"
-        )
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > MAX_TENSOR_BYTES:
-        raise CheckpointFormatError(
-            f"{what} describes a tensor of {nbytes} bytes (shape {list(shape)} of {dtype}), "
-            f"more than the {MAX_TENSOR_BYTES} a checkpoint tensor may have"
-        )
-    return nbytes
+    ``MAX_NDIM`` non-negative ints describing at most ``MAX_TENSOR_BYTES`` bytes."""
+    return shape_nbytes(shape, dtype.itemsize, what)
 
 
 def _parse_header(text: bytes) -> tuple[str, torch.dtype, tuple[int, ...], int, dict[str, Any]]:

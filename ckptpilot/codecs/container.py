@@ -30,9 +30,7 @@ unless everything holds.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import struct
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -44,17 +42,21 @@ import numpy as np
 import torch
 
 from ckptpilot.codecs.base import Codec, tensor_bytes
-from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES, Buffer, read_header, tensor_nbytes
+from ckptpilot.codecs.blob import DTYPE_NAMES, DTYPES, Buffer, read_header
 from ckptpilot.codecs.registry import decode_blob
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
+from ckptpilot.format.container_index import (
+    FORMAT,
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_MAGIC,
+    TRAILER,
+    TRAILER_MAGIC,
+    read_exactly,
+    read_layout,
+    sealed,
+)
 
-FORMAT = "ckptpilot-container"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sHH")  # magic, version, flags; then its crc32
-_TRAILER = struct.Struct("<8sQQI")  # magic, index offset, length, crc32; then its crc32
-_CRC = struct.Struct("<I")
-_HEADER_MAGIC = b"CKPTCONT"
-_TRAILER_MAGIC = b"CKPTTAIL"
 _IN_FLIGHT = 2
 # Tensors go to the worker threads in batches of about this many bytes, and only a tensor of
 # at least _OVERLAP_BYTES has its SHA256 on a thread of its own: a thread hand-off costs tens
@@ -133,7 +135,7 @@ def write_container(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"container meta is not JSON-serialisable: {exc}") from exc
     out = _Writer(fileobj)
-    out.write(_sealed(_HEADER.pack(_HEADER_MAGIC, FORMAT_VERSION, 0)))
+    out.write(sealed(HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, 0)))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptpilot-sha256") as hasher:
 
         def encode(item: tuple[str, torch.Tensor]) -> tuple[str, list[Buffer], str]:
@@ -173,7 +175,7 @@ def write_container(
     index_offset = out.offset
     out.write(index_bytes)
     crc = zlib.crc32(index_bytes)
-    out.write(_sealed(_TRAILER.pack(_TRAILER_MAGIC, index_offset, len(index_bytes), crc)))
+    out.write(sealed(TRAILER.pack(TRAILER_MAGIC, index_offset, len(index_bytes), crc)))
     return index
 
 
@@ -201,37 +203,12 @@ def _sha256(tensor: torch.Tensor) -> str:
 
 def read_index(fileobj: BinaryIO) -> ContainerIndex:
     """Read and check the header, trailer and index of a container (a seekable file)."""
-    size = fileobj.seek(0, io.SEEK_END)
-    header_size, trailer_size = _HEADER.size + _CRC.size, _TRAILER.size + _CRC.size
-    if size < header_size + trailer_size:
-        raise CheckpointFormatError(f"container truncated: {size} bytes, no room for a trailer")
-    header = _read_bytes(fileobj, 0, header_size, "header")
-    magic, version, flags = _HEADER.unpack_from(header)
-    if magic != _HEADER_MAGIC:
-        raise CheckpointFormatError("not a ckptpilot container (bad magic in the header)")
-    if _sealed(header[: _HEADER.size]) != header:
-        raise CheckpointFormatError("container header checksum mismatch")
-    if version != FORMAT_VERSION or flags:
-        raise CheckpointFormatError(
-            f"container format version {version} (flags {flags}) is not supported; this "
-            f"ckptpilot reads version {FORMAT_VERSION}: upgrade ckptpilot"
-        )
-    trailer = _read_bytes(fileobj, size - trailer_size, trailer_size, "trailer")
-    magic, index_offset, index_length, index_crc = _TRAILER.unpack_from(trailer)
-    if magic != _TRAILER_MAGIC or _sealed(trailer[: _TRAILER.size]) != trailer:
-        raise CheckpointFormatError(
-            "container trailer missing or corrupt (the write did not finish, or the file was "
-            "truncated or damaged)"
-        )
-    if index_offset + index_length != size - trailer_size or index_offset < header_size:
-        raise CheckpointFormatError("container trailer points outside the file")
-    index_bytes = _read_bytes(fileobj, index_offset, index_length, "index")
-    if zlib.crc32(index_bytes) != index_crc:
-        raise CheckpointFormatError("container index checksum mismatch")
-    try:
-        return _parse_index(json.loads(index_bytes), index_offset)
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        raise CheckpointFormatError(f"container index is malformed: {exc}") from exc
+    layout = read_layout(fileobj)
+    entries = tuple(TensorEntry(name=e.name, dtype=DTYPES[e.dtype], shape=e.shape, codec=e.codec,
+                                params=e.params, raw_bytes=e.raw_bytes,
+                                encoded_bytes=e.encoded_bytes, sha256=e.sha256, offset=e.offset)
+                    for e in layout.entries)
+    return ContainerIndex(entries, layout.meta_offset, layout.meta_length, layout.meta_sha256)
 
 
 def read_container(
@@ -248,7 +225,7 @@ def read_container(
     ``index`` or ``trailer``; nothing is returned half-loaded.
     """
     index = read_index(fileobj)
-    meta_bytes = _read_bytes(fileobj, index.meta_offset, index.meta_length, "meta")
+    meta_bytes = read_exactly(fileobj, index.meta_offset, index.meta_length, "meta")
     if hashlib.sha256(meta_bytes).hexdigest() != index.meta_sha256:
         raise IntegrityError("meta", index.meta_sha256, hashlib.sha256(meta_bytes).hexdigest())
     try:
@@ -302,49 +279,6 @@ def _decode_entry(
     return tensor
 
 
-def _parse_index(data: dict[str, Any], index_offset: int) -> ContainerIndex:
-    if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}")
-    entries, names = [], set()
-    offset = _HEADER.size + _CRC.size
-    for item in data["tensors"]:
-        name, dtype_name = _typed(item["name"], str), _typed(item["dtype"], str)
-        if dtype_name not in DTYPES:
-            raise ValueError(f"entry {name!r} has an unknown dtype {dtype_name!r}")
-        dtype = DTYPES[dtype_name]
-        nbytes = tensor_nbytes(item["shape"], dtype, f"entry {name!r}")
-        entry = TensorEntry(
-            name=name,
-            dtype=dtype,
-            shape=tuple(item["shape"]),
-            codec=_typed(item["codec"], str),
-            params=_typed(item["params"], dict),
-            raw_bytes=_typed(item["raw_bytes"], int),
-            encoded_bytes=_typed(item["encoded_bytes"], int),
-            sha256=_typed(item["sha256"], str),
-            offset=_typed(item["offset"], int),
-        )
-        if entry.name in names or entry.offset != offset or entry.encoded_bytes < 0:
-            raise ValueError(f"entry {entry.name!r} is duplicated or misplaced")
-        if entry.raw_bytes != nbytes:
-            raise ValueError(f"entry {entry.name!r} says raw_bytes {entry.raw_bytes}, but its "
-                             f"shape {list(entry.shape)} of {dtype_name} has {nbytes}")
-        names.add(entry.name)
-        entries.append(entry)
-        offset += entry.encoded_bytes
-    meta = data["meta"]
-    length = _typed(meta["length"], int)
-    if _typed(meta["offset"], int) != offset or length < 0 or offset + length != index_offset:
-        raise ValueError("the meta section is misplaced")
-    return ContainerIndex(tuple(entries), offset, meta["length"], _typed(meta["sha256"], str))
-
-
-def _typed(value: Any, kind: type[_T]) -> _T:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"expected {kind.__name__}, got {value!r}")
-    return value
-
-
 def _read_at(fileobj: BinaryIO, offset: int, length: int, what: str) -> np.ndarray:
     """``length`` bytes at ``offset`` into a fresh (huge-page backed) array."""
     fileobj.seek(offset)
@@ -357,15 +291,6 @@ def _read_at(fileobj: BinaryIO, offset: int, length: int, what: str) -> np.ndarr
             raise CheckpointFormatError(f"container truncated in {what}")
         filled += got
     return out
-
-
-def _sealed(fields: bytes) -> bytes:
-    """``fields`` followed by their crc32 (the file header and the trailer)."""
-    return fields + _CRC.pack(zlib.crc32(fields))
-
-
-def _read_bytes(fileobj: BinaryIO, offset: int, length: int, what: str) -> bytes:
-    return _read_at(fileobj, offset, length, what).tobytes()
 
 
 class _Writer:

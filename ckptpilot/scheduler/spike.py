@@ -1,4 +1,4 @@
-"""Loss-spike detection for instability rollback (README "Instability rollback").
+"""Loss-spike detection for instability rollback (docs/concepts/rollback.md).
 
 This module owns :class:`SpikeDetector`, which turns the per-step loss into spike events: a
 loss above ``spike_factor`` × its rolling baseline for ``patience`` steps in a row, or a

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import struct
 import time
@@ -47,6 +46,7 @@ from ckptpilot.format.manifest import (
     decode_manifest,
     encode_manifest,
 )
+from ckptpilot.format.safetensors_header import MAX_HEADER_BYTES, check_safetensors_header
 from ckptpilot.state import Snapshot
 from ckptpilot.tiers.entries import REMOVING_MARK, refuse_links
 from ckptpilot.tiers.remote import COMMIT_FILE, STAGING_MARK, RemoteTier
@@ -102,29 +102,6 @@ class LoadedArchive:
 
 
 _TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
-MAX_HEADER_BYTES = 100 << 20
-
-
-def check_safetensors_header(header: Mapping[str, Any], data_bytes: int,
-                             where: str) -> None:
-    """Reject a header whose tensors do not fit the data that is really there.
-
-    A hostile or damaged header (a "1 TB tensor", overlapping ranges) is refused before
-    anything is allocated for it.
-    """
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _TORCH_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
-        if dtype is None:
-            raise CheckpointFormatError(f"{where}: {name}: unknown or missing dtype")
-        begin, end = info["data_offsets"]
-        count = math.prod(int(d) for d in info["shape"])
-        width = torch.empty((), dtype=dtype).element_size()
-        if not 0 <= begin <= end <= data_bytes or end - begin != count * width:
-            raise CheckpointFormatError(
-                f"{where}: {name}: header claims {count * width} bytes at [{begin}, {end}) "
-                f"but the file holds {data_bytes} data bytes")
 
 
 def parse_safetensors(buf: bytearray | np.ndarray, where: str) -> dict[str, torch.Tensor]:

@@ -56,6 +56,7 @@ from ckptpilot.format.digest import (
     is_chunked,
 )
 from ckptpilot.tiers import entries
+from ckptpilot.tiers.directio import DirectWriter
 from ckptpilot.tiers.entries import COMMIT_FILE, STAGING_MARK
 from ckptpilot.tiers.retry import (
     NO_RETRIES,
@@ -170,9 +171,14 @@ class RemoteTier:
         target = self.path(relpath)
         if self.is_local:
             with open(target, "wb") as f:
-                out = HashingWriter(f, digest=digest, chunked=chunked)
-                yield out
-                f.flush()
+                sink = DirectWriter(f) if fsync else f  # durable anyway: skip the page cache
+                try:
+                    out = HashingWriter(sink, digest=digest, chunked=chunked)
+                    yield out
+                    sink.flush()
+                finally:
+                    if sink is not f:
+                        sink.close()
                 if fsync:
                     os.fsync(f.fileno())
                     _drop_from_page_cache(f.fileno())

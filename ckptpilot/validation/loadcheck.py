@@ -8,12 +8,18 @@ stdout — no pickle crosses the pipe. Each job runs under an address-space limi
 (``RLIMIT_AS``) and a wall-clock timeout; a worker that times out or dies is killed and the
 checkpoint is reported as failing with the reason.
 
-The timeout bounds the load, not the worker's start: a new worker imports torch and the
-decoders first, which a busy machine can make take longer than any load of a sane checkpoint,
-and a slow start says nothing about the checkpoint. So the worker says ``{"ready": true}`` once
-it has loaded its libraries, the parent waits for that under ``start_timeout_seconds`` (a
-generous bound against a worker that hangs while starting), and only then sends the job and
-starts the load's clock.
+The worker starts without torch: the default mode reads headers, container indexes and JSON
+(``format.safetensors_header``, ``format.container_index``), and a worker that imported torch
+would cost every training run that import's CPU seconds beside its first steps and hundreds of
+MB of memory. Only decoding (the paranoid mode) needs torch; the parent asks the worker to
+import it (``{"prepare": "decoding"}``) before the first such job.
+
+The timeout bounds the load, not the worker's start or its imports, which a busy machine can
+make take longer than any load of a sane checkpoint and which say nothing about the
+checkpoint. So the worker says ``{"ready": true}`` once it has started, and
+``{"prepared": "decoding"}`` once it has imported torch; the parent waits for each under
+``start_timeout_seconds`` (a generous bound against a worker that hangs), and only then sends
+the job and starts the load's clock.
 
 What the worker checks, in order: every file has the size the manifest says; the safetensors
 header is sane (bounded size, offsets inside the file, byte counts matching shape × dtype) or
@@ -47,6 +53,8 @@ log = logging.getLogger("ckptpilot")
 
 _REQUIRED_META = ("format_version", "step", "rank", "world_size", "model_keys", "rng")
 _READY = b'{"ready": true}\n'
+_PREPARE = b'{"prepare": "decoding"}\n'
+_PREPARED = b'{"prepared": "decoding"}\n'
 
 @dataclass(frozen=True)
 class LoadCheckResult:
@@ -75,11 +83,12 @@ class LoadChecker:
         self.memory_margin_bytes = memory_margin_bytes
         self._proc: subprocess.Popen[bytes] | None = None
         self._ready = False  # the live worker said it is ready
+        self._decoding = False  # the live worker has imported torch
         self._next_id = 0
 
     def start(self) -> None:
         """Start the worker now without waiting for it, so that it is ready by the first
-        save (it imports torch: seconds on a busy machine)."""
+        save."""
         if self._proc is None or self._proc.poll() is not None:
             self._spawn()
 
@@ -97,7 +106,7 @@ class LoadChecker:
                "memory_limit_bytes": sum(sizes) * 2 + self.memory_margin_bytes}
         self._next_id += 1
         try:
-            proc = self._worker()
+            proc = self._worker(decoding=reread)
         except _StartFailure as e:
             return LoadCheckResult(False, str(e), time.perf_counter() - t0)
         assert proc.stdin is not None and proc.stdout is not None
@@ -127,11 +136,36 @@ class LoadChecker:
              "from ckptpilot.validation.loadcheck import worker_main; worker_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
         self._ready = False
+        self._decoding = False  # it has imported torch
 
-    def _worker(self) -> subprocess.Popen[bytes]:
-        """The live worker, started if there is none, and waited for until ready."""
-        if self._proc is not None and self._proc.poll() is None and self._ready:
-            return self._proc
+    def _worker(self, *, decoding: bool) -> subprocess.Popen[bytes]:
+        """The live worker, started if there is none, and waited for until ready; with
+        ``decoding``, also until it has imported torch (see the module docstring)."""
+        if not (self._proc is not None and self._proc.poll() is None and self._ready):
+            self._start_worker()
+        if decoding and not self._decoding:
+            self._prepare_decoding()
+        assert self._proc is not None
+        return self._proc
+
+    def _prepare_decoding(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        assert self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(_PREPARE)
+            self._proc.stdin.flush()
+            line = _readline(self._proc.stdout, self.start_timeout_seconds)
+        except OSError as e:
+            self._kill()
+            raise _StartFailure(f"load-test worker failed to import torch: {e}") from e
+        if line != _PREPARED:
+            code = self._kill()
+            raise _StartFailure(f"load-test worker did not import torch within "
+                                f"{self.start_timeout_seconds:g} s" if line is None else
+                                f"load-test worker died importing torch (exit code {code})")
+        self._decoding = True
+
+    def _start_worker(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
             self._spawn()
         assert self._proc is not None and self._proc.stdout is not None
@@ -150,7 +184,6 @@ class LoadChecker:
                                 if not line else
                                 f"load-test worker started with {line[:200]!r}, not {_READY!r}")
         self._ready = True
-        return self._proc
 
     def _kill(self) -> int | None:
         proc, self._proc = self._proc, None
@@ -197,7 +230,7 @@ class _Failure(Exception):
 
 def _check_header(path: Path) -> dict[str, Any]:
     from ckptpilot.errors import CheckpointFormatError
-    from ckptpilot.storage.archive import MAX_HEADER_BYTES, check_safetensors_header
+    from ckptpilot.format.safetensors_header import MAX_HEADER_BYTES, check_safetensors_header
 
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -277,7 +310,7 @@ def _rehash(path: Path, rec: Mapping[str, Any]) -> None:
 def _load_safetensors(path: Path, decode: bool) -> dict[str, tuple[str, list[int]]]:
     """Check the header and, with ``decode``, decode every tensor; returns name ->
     (safetensors dtype, shape)."""
-    from safetensors import safe_open  # imported by worker_main before any limit is set
+    from safetensors import safe_open  # imported by _load_torch before any limit is set
 
     header = _check_header(path)
     names = [k for k in header if k != "__metadata__"]
@@ -291,18 +324,22 @@ def _load_safetensors(path: Path, decode: bool) -> dict[str, tuple[str, list[int
 def _load_container(path: Path, decode: bool) -> dict[str, tuple[str, list[int]]]:
     """Check the header, trailer and index and, with ``decode``, decode every tensor (blob
     checksums and each tensor's SHA256 are checked on the way)."""
-    from ckptpilot.codecs.container import read_container, read_index
     from ckptpilot.errors import CheckpointFormatError
-    from ckptpilot.storage.archive import safetensors_dtype
+    from ckptpilot.format.container_index import SAFETENSORS_NAMES, read_layout
 
     try:
         with open(path, "rb") as f:
-            index = read_index(f)
+            layout = read_layout(f)
             if decode:
+                from ckptpilot.codecs.container import read_container
+
                 read_container(f, threads=1)
     except CheckpointFormatError as e:
         raise _Failure(f"{path.name}: {e}") from e
-    return {e.name: (safetensors_dtype(e.dtype), list(e.shape)) for e in index.tensors}
+    unstorable = [e.name for e in layout.entries if e.dtype not in SAFETENSORS_NAMES]
+    if unstorable:
+        raise _Failure(f"{path.name}: {unstorable[0]}: dtype cannot be stored")
+    return {e.name: (SAFETENSORS_NAMES[e.dtype], list(e.shape)) for e in layout.entries}
 
 
 def _collect_refs(value: Any, out: list[str]) -> None:
@@ -316,25 +353,36 @@ def _collect_refs(value: Any, out: list[str]) -> None:
             _collect_refs(v, out)
 
 
+def _load_torch() -> None:
+    """Import what decoding needs (the paranoid mode), before any job's memory limit is set:
+    importing torch maps far more address space than a limit leaves."""
+    import safetensors.torch  # noqa: F401
+    import torch
+
+    from ckptpilot.codecs import container  # noqa: F401
+    from ckptpilot.storage import archive  # noqa: F401
+
+    torch.set_num_threads(1)
+
+
 def worker_main() -> None:
     """Entry point of the worker process: JSON-line jobs on stdin, replies on stdout."""
     import resource
 
-    import safetensors.torch  # noqa: F401 - load every library before the first memory limit
-    import torch
-
     from ckptpilot.background import BACKGROUND_NICE
-    from ckptpilot.codecs import container  # noqa: F401
-    from ckptpilot.format import digest  # noqa: F401
-    from ckptpilot.storage import archive  # noqa: F401
+    from ckptpilot.format import container_index, digest, safetensors_header  # noqa: F401
 
-    torch.set_num_threads(1)
     os.nice(max(0, BACKGROUND_NICE - os.nice(0)))  # the cores are training's first
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     sys.stdout.buffer.write(_READY)
     sys.stdout.flush()
     for line in sys.stdin.buffer:
         job = json.loads(line)
+        if "prepare" in job:
+            _load_torch()
+            sys.stdout.buffer.write(_PREPARED)
+            sys.stdout.flush()
+            continue
         limit = _vm_size() + int(job["memory_limit_bytes"])
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)

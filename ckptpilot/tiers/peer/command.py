@@ -86,8 +86,9 @@ def add_peer_parser(subparsers: Any) -> None:
                               parser_class=type(peer))
     serve = sub.add_parser("serve", help="hold other nodes' checkpoint shards in RAM")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default 127.0.0.1: this host only; see the "
-                       "README, 'On a shared network', before listening on others)")
+                       help="address to listen on (default 127.0.0.1: this host only; see "
+                       "docs/operations/peers.md, 'On a shared network', before listening on "
+                       "others)")
     serve.add_argument("--secret-file", default=None, metavar="PATH",
                        help="the job's peer secret, shared with its trainers "
                        "(tiers.peer.secret_file); created with a random secret, mode 0600, "
