@@ -42,6 +42,7 @@ Usage: ``.venv/bin/python bench/peer.py [--gb 1.0 | --quick] [--repeats 3] [--di
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -55,10 +56,12 @@ import os
 import platform
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,7 +81,9 @@ from ckptpilot.format.image import ImageMeta
 from ckptpilot.state import Snapshot, TrainingComponents, capture
 from ckptpilot.storage.archive import read_organ, stage_organ
 from ckptpilot.tiers.peer import PeerTier
-from ckptpilot.tiers.peer.protocol import Op, call
+from ckptpilot.tiers.peer.auth import load_secret
+from ckptpilot.tiers.peer.calls import call as _call
+from ckptpilot.tiers.peer.protocol import Frame, Op
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.vocab import Level, RetentionClass
 
@@ -105,6 +110,19 @@ with socket.create_connection(("127.0.0.1", port)) as sock:
 
 # ----------------------------------------------------------------------------- daemons
 
+_SECRET_DIR = Path(tempfile.mkdtemp(prefix="ckptpilot-bench-peer-secret-"))
+SECRET_FILE = _SECRET_DIR / "peer.secret"
+"""The benchmark's peer secret: every daemon it starts and every client share it, as one
+job's daemons and trainers do (policies: ``tiers.peer.secret_file``)."""
+KEY = load_secret(SECRET_FILE, what="the benchmark's peer secret")
+atexit.register(shutil.rmtree, _SECRET_DIR, ignore_errors=True)
+
+
+def call(endpoint: str, op: Op, header: dict[str, Any], **kw: Any) -> Frame:
+    """``calls.call`` with the benchmark's key."""
+    return _call(endpoint, op, header, key=KEY, **kw)
+
+
 class Daemon:
     """One ``ckptpilot peer serve`` process on a free port of 127.0.0.1."""
 
@@ -112,7 +130,8 @@ class Daemon:
         self.log_path = log_path
         self.endpoint = ""
         cmd = [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
-               "--port", "0", "--mem-limit", MEM_LIMIT, "--log-level", "WARNING"]
+               "--port", "0", "--mem-limit", MEM_LIMIT, "--log-level", "WARNING",
+               "--secret-file", str(SECRET_FILE)]
         with open(log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                          # Spawned before any thread of ours starts.
@@ -348,7 +367,7 @@ def drop_page_cache() -> bool:
 
 def tier(endpoints: list[str], run_id: str, deltas: str = "never") -> PeerTier:
     return PeerTier(endpoints, run_id=run_id, data_shards=DATA_SHARDS, deltas=deltas,
-                    timeout_seconds=TIMEOUT_SECONDS)
+                    timeout_seconds=TIMEOUT_SECONDS, secret=KEY)
 
 
 # ------------------------------------------------------------------------------ output

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -19,6 +20,7 @@ from peerdaemons import SECRET_FILE, Daemon, Registry, call, session, start, sto
 
 from ckptpilot.policy import PeerTierPolicy
 from ckptpilot.tiers.peer import PeerTier
+from ckptpilot.tiers.peer.membership import RegistryView
 from ckptpilot.tiers.peer.protocol import TRAILER_BYTES, Op, encode_head, read_frame
 from ckptpilot.tiers.peer.registry import (
     HealthRegistry,
@@ -119,6 +121,57 @@ def test_a_node_marked_down_is_never_chosen(cluster: tuple[Registry, list[Daemon
     node0.publish(NodeState(node=0, status="up", endpoint=down.endpoint,
                             mem_limit_bytes=MEM_LIMIT))
     assert not reader.is_down(down.endpoint)
+
+
+def test_a_reported_failure_of_a_daemon_that_answers_is_not_written(
+        cluster: tuple[Registry, list[Daemon]], reader: HealthRegistry) -> None:
+    """By the time a report is written the daemon may have restarted and published "up":
+    the tier PINGs it first, and a daemon that answers is not marked down (heartbeats would
+    keep that mark, and its healthy new incarnation out of every client's placement)."""
+    registry, daemons = cluster
+    with PeerTier.from_policy(policy(registry.address, daemons), run_id="answers") as t:
+        view = t.registry_view
+        assert view is not None
+        before = state_of(reader, 1)
+        view.report_failure(daemons[1].endpoint, "PUT from run 'answers' failed: "
+                            "connection refused")
+        view.close()  # writes what was reported
+    after = state_of(reader, 1)
+    assert (before.status, after.status) == ("up", "up") and after.reason == ""
+
+
+def test_a_failure_report_that_waited_past_a_restart_does_not_mark_the_node_down() -> None:
+    """Two daemons fail, their reports wait on a slow registry, both nodes publish "up"
+    again (restarted); then the reports are written: the node whose daemon answers stays
+    up, the one that still does not answer is marked down."""
+    store = host_store("127.0.0.1", 0)
+    store.set("ckptpilot/health/num_nodes", "2")
+    address = f"127.0.0.1:{store.port}"
+    nodes = [connect_registry(address, node=k, timeout_seconds=10) for k in range(2)]
+    endpoints = ["127.0.0.1:9000", "127.0.0.1:9001"]
+
+    def up(k: int) -> None:
+        nodes[k].publish(NodeState(node=k, status="up", endpoint=endpoints[k]))
+
+    gate = threading.Event()
+
+    def slow_registry(*args: object, **kw: object) -> HealthRegistry:
+        gate.wait(30)
+        return connect_registry(*args, **kw)  # type: ignore[arg-type]
+
+    for k in range(2):
+        up(k)
+    view = RegistryView(address, connect=slow_registry, refresh_seconds=60,
+                        answers=lambda endpoint: endpoint == endpoints[0])
+    for e in endpoints:
+        view.report_failure(e, "PUT failed: connection refused")
+    for k in range(2):
+        up(k)
+    gate.set()
+    view.close()
+    assert nodes[0].heartbeat().status == "up"
+    down = nodes[1].heartbeat()
+    assert (down.status, down.reason) == ("down", "PUT failed: connection refused")
 
 
 @pytest.mark.crash

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ckptpilot.errors import IntegrityError, NoCheckpointError
+from ckptpilot.errors import CkptPilotError, IntegrityError, NoCheckpointError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
 from ckptpilot.tiers.peer.auth import load_secret
@@ -317,7 +317,8 @@ class PeerTier:
             from ckptpilot.tiers.peer.membership import RegistryView
 
             self.registry_view = RegistryView(registry, refresh_seconds=probe_interval,
-                                              timeout_seconds=min(timeout_seconds, 5.0))
+                                              timeout_seconds=min(timeout_seconds, 5.0),
+                                              answers=self._answers)
             is_down = _either(is_down, self.registry_view.is_down)
         self.placement = Placement(self.endpoints, probe_interval=probe_interval,
                                    timeout_seconds=timeout_seconds, is_down=is_down,
@@ -622,6 +623,15 @@ class PeerTier:
         h = self._connections.call(endpoint, Op.PING, {}, timeout_seconds=timeout_seconds).header
         return PeerStatus(time.perf_counter() - start, int(h.get("mem_used", 0)),
                           int(h.get("mem_limit", 0)), int(h.get("n_runs", 0)))
+
+    def _answers(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` answers a PING now (asked before a failure is reported to
+        the health registry: see ``RegistryView``)."""
+        try:
+            self._probe(endpoint, min(self.timeout_seconds, 2.0))
+        except (*_REQUEST_ERRORS, CkptPilotError):
+            return False
+        return True
 
     def _base_layout(self, base_id: int, image_len: int, size: int) -> _Layout | None:
         """Where ``base_id``'s shards are, if a delta against it can work: remembered from

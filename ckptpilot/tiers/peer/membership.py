@@ -190,7 +190,10 @@ class RegistryView:
     :meth:`is_down` answers the placement's question from a cached set of endpoints whose
     node is "down" or "draining" (neither gets new shards), refreshed every
     ``refresh_seconds``; :meth:`report_failure` marks the node serving an endpoint down so
-    that other clients avoid it too.
+    that other clients avoid it too, unless ``answers(endpoint)`` (the tier's PING) says it
+    answers by the time the report is written: a daemon that restarted meanwhile has
+    published "up" again, and a down mark written after that would keep its new, healthy
+    incarnation out of every client's placement until it restarts once more.
 
     Lifecycle: :meth:`start` (one refresh, waiting up to ``timeout_seconds`` for the
     registry; one that cannot be reached is logged, not raised), then :meth:`is_down` and
@@ -209,10 +212,12 @@ class RegistryView:
         refresh_seconds: float = 1.0,
         timeout_seconds: float = 5.0,
         connect: Connect = connect_registry,
+        answers: Callable[[str], bool] | None = None,
     ) -> None:
         if not refresh_seconds > 0:
             raise ValueError(f"refresh_seconds must be > 0, got {refresh_seconds!r}")
         self.address = address
+        self._answers = answers
         self.refresh_seconds = refresh_seconds
         self.timeout_seconds = timeout_seconds
         self._connect = connect
@@ -284,6 +289,12 @@ class RegistryView:
             states = registry.read_all(mark_stalled_down=True)
             nodes = [n for n, s in states.items()
                      if s.endpoint == endpoint and s.status != "down"]
+            # Asked last, right before the write: the report may have waited in the queue
+            # (or on a slow registry) while the daemon restarted and published "up".
+            if nodes and self._answers is not None and self._answers(endpoint):
+                log.info("peer %s failed (%s) but answers now; not marking it down", endpoint,
+                         reason)
+                return
             for node in nodes:
                 registry.mark_down(node, reason)
             if nodes or any(s.endpoint == endpoint for s in states.values()):
