@@ -1,11 +1,12 @@
 """How the ranks of a distributed run agree: on each step's signals, and on what to restore.
 
 This module owns :class:`RankAgreement`, the pilot's only collectives. Per step, one tiny
-non-blocking all-reduce (element-wise max of the signals and costs, and the earliest spike
-onset any rank confirmed) is started at step t and consumed at step t + 1, so all ranks take
-the same decision without a barrier; a policy whose extra signals combine by sum adds a second
-one, for those. Which signals there are, and how each combines, is the scheduler's
-:class:`~ckptpilot.scheduler.signal.SignalLayout`: nothing here names a signal. At restore,
+non-blocking all-reduce (element-wise max of the signals and costs, whether any rank got a
+preemption notice, and the earliest spike onset any rank confirmed) is started at step t and
+consumed at step t + 1, so all ranks take the same decision without a barrier; a policy whose
+extra signals combine by sum adds a second one, for those. Which signals there are, and how
+each combines, is the scheduler's :class:`~ckptpilot.scheduler.signal.SignalLayout`: nothing
+here names a signal. At restore,
 one all-gather of each rank's newest candidate steps and one all-reduce (minimum) per step
 tried, so every rank loads the same step or every rank raises.
 
@@ -24,7 +25,7 @@ from ckptpilot.errors import CkptPilotError
 from ckptpilot.scheduler.signal import SignalLayout
 from ckptpilot.scheduler.spike import Spike
 
-__all__ = ["COST_KEYS", "AnotherRankFailed", "RankAgreement"]
+__all__ = ["COST_KEYS", "AnotherRankFailed", "RankAgreement", "process_rank_world"]
 
 COST_KEYS = ("save_seconds", "mtbf_seconds", "step_seconds")
 """The scheduler's cost model, agreed as the max over ranks (the slowest rank sets the pace)."""
@@ -37,6 +38,13 @@ _AGREE_STEPS = 32  # candidates per rank exchanged at restore (a walk tries at m
 class AnotherRankFailed(CkptPilotError, RuntimeError):
     """Raised on every rank whose own restore went fine when another rank's raised: all
     ranks stop together rather than one resuming alone or waiting in a collective."""
+
+
+def process_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size; (0, 1) without a process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def collective_device() -> torch.device:
@@ -59,15 +67,19 @@ class RankAgreement:
         self._summed: torch.Tensor | None = None  # the pending sum, for signals that add up
         self._summed_work: Any = None
         self._local_spike: tuple[int, str] | None = None  # sent in the pending reduction
+        self.notice = False  # whether any rank had a preemption notice at the step taken last
 
     # -- per step --------------------------------------------------------------------------
 
     def start(self, layout: SignalLayout, signals: Mapping[str, float],
-              costs: Mapping[str, float | None], spike: Spike | None) -> None:
+              costs: Mapping[str, float | None], spike: Spike | None,
+              notice: bool = False) -> None:
         """Start this step's reduction of ``signals`` (keyed as ``layout`` says, the same on
-        every rank); :meth:`take` consumes it at the next step."""
+        every rank) and of this rank's preemption ``notice``; :meth:`take` consumes it at the
+        next step."""
         values = [signals[k] for k in layout.maxed]
         values += [-1.0 if costs[k] is None else float(costs[k]) for k in COST_KEYS]  # type: ignore[arg-type]
+        values.append(1.0 if notice else 0.0)
         values.append(_NO_ONSET if spike is None else -float(spike.onset))
         self._local_spike = None if spike is None else (spike.onset, spike.reason)
         self._buffer = torch.tensor(values, dtype=torch.float64, device=self._device)
@@ -84,9 +96,10 @@ class RankAgreement:
         """The previous step's signals combined over ranks (the max, or the sum for the keys
         ``layout`` sums), the max of its costs, and the earliest onset of a spike any rank
         confirmed then (zeros and no spike right after a start, a restore or :meth:`drop`,
-        on every rank alike)."""
+        on every rank alike); :attr:`notice` says whether any rank had a preemption notice."""
         n = len(layout.maxed)
         m = n + len(COST_KEYS)
+        self.notice = False
         if self._work is None:
             return (dict.fromkeys(layout.maxed + layout.summed, 0.0), dict.fromkeys(COST_KEYS),
                     None)
@@ -97,9 +110,10 @@ class RankAgreement:
             self._summed_work.wait()
             signals.update(zip(layout.summed, self._summed.tolist(), strict=True))  # type: ignore[union-attr]
         costs = {k: (v if v > 0 else None) for k, v in zip(COST_KEYS, agreed[n:m], strict=True)}
+        self.notice = agreed[m] > 0
         spike = None
-        if agreed[m] > _NO_ONSET:
-            onset = int(-agreed[m])
+        if agreed[m + 1] > _NO_ONSET:
+            onset = int(-agreed[m + 1])
             mine = self._local_spike
             spike = (onset, mine[1] if mine is not None and mine[0] == onset
                      else f"a loss spike since step {onset} on another rank")

@@ -27,6 +27,7 @@ from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
 from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy
+from ckptpilot.preemption import PreemptionGuard
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.restorer import Restorer
@@ -44,16 +45,18 @@ from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
 from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
+from ckptpilot.watchdog import HangWatchdog
 from ckptpilot.writer import CheckpointWriter
 
 __all__ = ["STOP_ORDER", "RunParts", "open_parts"]
 
 log = logging.getLogger("ckptpilot")
 
-STOP_ORDER = ("writer", "copier", "agreement", "heartbeat", "health", "telemetry", "validator",
-              "peers", "run_end", "store")
-"""The order the parts stop in: the writer first (nothing is written after), then the step
-hooks of the device copies (no copy is pending once the writer stopped), the pending
+STOP_ORDER = ("watchdog", "preemption", "writer", "copier", "agreement", "heartbeat", "health",
+              "telemetry", "validator", "peers", "run_end", "store")
+"""The order the parts stop in: the hang watchdog and the signal handlers first (a closing
+pilot has no steps to watch and takes no notice), the writer next (nothing is written after),
+then the step hooks of the device copies (no copy is pending once the writer stopped), the pending
 all-reduce before the clean end goes into the ledger, the metadata store last."""
 
 
@@ -80,6 +83,8 @@ class RunParts:
     steps: StepDecider
     sharded: ShardedState | None  # a model of DTensors: saved and restored through DCP
     copier: devicecopy.StepFences | None  # device tensors: captures overlap the next steps
+    preemption: PreemptionGuard
+    watchdog: HangWatchdog
 
 
 def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, world_size: int,
@@ -159,6 +164,12 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     started["heartbeat"] = heartbeat.close
     ledger = FailureLedger(ledger_path(run_dir, rank))
     lifecycle = RunLifecycle(ledger, previous_heartbeat)
+    watchdog = HangWatchdog(policy.watchdog, rank=rank, heartbeat=heartbeat,
+                            heartbeat_path=hb_path, lifecycle=lifecycle)
+    started["watchdog"] = watchdog.close
+    preemption = PreemptionGuard(policy.preemption, rank=rank, catalog=catalog, writer=writer,
+                                 lifecycle=lifecycle)
+    started["preemption"] = preemption.close
     rollback = RollbackGuard(policy.rollback, rank=rank, ledger=ledger, catalog=catalog,
                              writer=writer, data_state=components.data_state)
     health = None
@@ -187,4 +198,5 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
             catalog, remote, None if peers is None else PeerCheckpointTier(peers, rank=rank),
             memory, agreement, world_size),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
-                          rollback=rollback), sharded=sharded, copier=copier)
+                          rollback=rollback, notice=lambda: preemption.pending),
+        sharded=sharded, copier=copier, preemption=preemption, watchdog=watchdog)

@@ -13,11 +13,12 @@ flushed by their own thread.
 Threading and lifecycle:
 
 1. construct on the training thread (hooks the optimizer's step, and for a CUDA model the
-   forward: ``devicecopy``; starts the health-probe, telemetry and heartbeat-flush threads);
+   forward: ``devicecopy``; starts the health-probe, telemetry, heartbeat-flush and hang
+   ``watchdog`` threads; on the main thread, installs the ``preemption`` signal handlers);
 2. ``restore()`` once, before the loop;
 3. per step, ``observe()`` after ``optimizer.step()``, ``lr_scheduler.step()`` and after the
    data cursor moved — that is the step boundary at which every part of the state belongs to
-   the same step;
+   the same step, and where a preemption notice ends the run (``SystemExit(75)``);
 4. ``close()`` (or leave the ``with`` block): waits for every pending save, surfaces errors,
    records a clean end in the failure ledger.
 
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ckptpilot.agreement import process_rank_world
 from ckptpilot.assembly import open_parts
 from ckptpilot.catalog import SaveIntent
 from ckptpilot.lifecycle import RecoveryReport
@@ -60,12 +62,6 @@ __all__ = ["CheckpointPilot", "RecoveryReport", "RecoverySource", "SaveRecord",
            "SkippedCheckpoint"]
 
 log = logging.getLogger("ckptpilot")
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 class CheckpointPilot:
@@ -90,7 +86,7 @@ class CheckpointPilot:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if optimizer is not None:
             optimizer = unwrap_optimizer(optimizer)
-        dist_rank, dist_world = _dist_rank_world()
+        dist_rank, dist_world = process_rank_world()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size
         self.components = TrainingComponents(model=model, optimizer=optimizer,
@@ -115,6 +111,7 @@ class CheckpointPilot:
                                                                 parts.agreement)
             self._restorer, self._steps, self._sharded = parts.restorer, parts.steps, parts.sharded
             self._copier = parts.copier
+            self._preemption, self._watchdog = parts.preemption, parts.watchdog
             self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                           if optimizer is not None else None)
         except BaseException:
@@ -230,15 +227,21 @@ class CheckpointPilot:
                 self._finish(self._decide())
 
     def _finish(self, decision: CheckpointDecision) -> None:
+        if self._steps.preempt:  # an organ of this step, then SystemExit(75) (``preemption``)
+            with self._watchdog.suspended():
+                self._preemption.honour(self.step, lambda: self._save(SaveIntent(
+                    Level.ORGAN.value, "preemption notice", "important")), self.close)
         self.last_decision = decision
         self._telemetry.decision(decision)
         if decision.save and decision.level is not None:
             self._save(SaveIntent(decision.level.value, decision.reason,
                                   decision.retention_class.value, decision.score))
+        self._watchdog.left_boundary()
 
     def _decide(self) -> CheckpointDecision:
         if not self._lifecycle.started:  # tested inline: this runs at every step
             self._lifecycle.start(self._base_step)
+        self._watchdog.beat(self.step)
         return self._steps.decide(self.step, self.last_loss)
 
     def _write_heartbeat(self) -> None:
@@ -252,17 +255,11 @@ class CheckpointPilot:
             stall = self._sharded.save(intent, step=self.step, epoch=self._current_epoch(),
                                        extras=self.extras)
         else:
-            t0 = time.perf_counter()
-            self._writer.acquire_slot()
-            try:
-                snapshot = capture(self.components, step=self.step, epoch=self._current_epoch(),
-                                   extras=self.extras, rank=self.rank, world_size=self.world_size,
-                                   pool=self._pool, copier=self._copier)
-            except BaseException:
-                self._writer.release_slot()
-                raise
-            stall = time.perf_counter() - t0
-            self._writer.submit(snapshot, plan_save(intent, self.policy), stall)
+            with self._watchdog.suspended():  # back-pressure: a wait on our own writer
+                stall = self._writer.capture_and_submit(lambda: capture(
+                    self.components, step=self.step, epoch=self._current_epoch(),
+                    extras=self.extras, rank=self.rank, world_size=self.world_size,
+                    pool=self._pool, copier=self._copier), plan_save(intent, self.policy))
         self._steps.note_stall(stall)
         self._last_save_step = self.step
         return True
@@ -294,7 +291,8 @@ class CheckpointPilot:
         rollback returned to skips its batches again.
         """
         self._check_open()
-        restored = self._restore(step)
+        with self._watchdog.suspended():
+            restored = self._restore(step)
         assert restored is not None
         return restored
 
@@ -353,7 +351,8 @@ class CheckpointPilot:
 
     def flush(self) -> None:
         """Wait for every pending save; raises the first background error."""
-        self._writer.flush()
+        with self._watchdog.suspended():
+            self._writer.flush()
 
     def close(self, save: bool = True) -> None:
         """Save the last observed step (unless ``save=False`` or it is saved already), wait
@@ -362,6 +361,7 @@ class CheckpointPilot:
         after them. The final save makes a finished run restore to its end, 0 steps lost."""
         if self._closed:
             return
+        self._watchdog.close()  # a final save's wait is no hang
         if save and self.step > self._base_step:
             try:
                 self._writer.raise_errors()

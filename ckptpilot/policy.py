@@ -38,6 +38,7 @@ import importlib.resources
 import os
 import re
 import reprlib
+import signal
 import string
 from collections.abc import Hashable
 from fractions import Fraction
@@ -76,6 +77,7 @@ __all__ = [
     "ObservabilityPolicy",
     "PeerTierPolicy",
     "Policy",
+    "PreemptionPolicy",
     "RemoteTierPolicy",
     "RetentionPolicy",
     "RollbackPolicy",
@@ -84,6 +86,7 @@ __all__ = [
     "SystemSignalPolicy",
     "TiersPolicy",
     "ValidationPolicy",
+    "WatchdogPolicy",
     "load_policy",
     "parse_byte_size",
 ]
@@ -734,6 +737,53 @@ class AsyncPolicy(_Section):
     max_pending: int = Field(2, ge=1, le=_MAX_PENDING)
 
 
+_OS_SIGNAL_RE = re.compile(r"SIG[A-Z0-9]{1,12}")
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def _check_signal_name(value: object) -> object:
+    if isinstance(value, str) and (not _OS_SIGNAL_RE.fullmatch(value)
+                                   or not isinstance(getattr(signal, value, None), signal.Signals)
+                                   or value in _UNCATCHABLE):
+        raise ValueError(
+            f"{_brief(value)} is not a signal this platform lets a process catch; write a "
+            "name such as SIGTERM, SIGUSR1 or SIGINT")
+    return value
+
+
+class PreemptionPolicy(_Section):
+    """A preemption notice (docs/operations/preemption-and-hangs.md): any of ``signals``
+    makes the pilot save an emergency organ at the next step boundary, wait up to
+    ``grace_seconds`` from the notice for it to be durable and valid, and exit with
+    ``ExitStatus.PREEMPTED`` (75), or ``PREEMPTED_UNSAVED`` (76) when it was not in time.
+    Handlers are installed only by a pilot built on the main thread."""
+
+    enabled: bool = True
+    signals: Annotated[
+        tuple[Annotated[str, AfterValidator(_check_signal_name)], ...],
+        BeforeValidator(_list_to_tuple), Field(min_length=1, max_length=8)
+    ] = ("SIGTERM", "SIGUSR1")
+    grace_seconds: _Seconds = 25.0
+
+    @model_validator(mode="after")
+    def _check_unique(self) -> Self:
+        if len(set(self.signals)) != len(self.signals):
+            raise _KeyedError("signals", f"lists a signal twice: {list(self.signals)}")
+        return self
+
+
+class WatchdogPolicy(_Section):
+    """The hang watchdog (docs/operations/preemption-and-hangs.md): no step boundary for
+    ``max(min_seconds, step_time_multiple x the median step time)`` ends the process with
+    ``ExitStatus.HANG`` (77) so that the launcher restarts the job. Off by default: a loop
+    that legitimately spends long between two ``observe()`` calls (a long evaluation) must
+    raise ``min_seconds`` above that first."""
+
+    enabled: bool = False
+    step_time_multiple: float = Field(20.0, ge=2, le=_MAX_RATIO)
+    min_seconds: _Seconds = 600.0
+
+
 class Policy(_Section):
     """The whole policy file.
 
@@ -757,6 +807,8 @@ class Policy(_Section):
     validation: ValidationPolicy = Field(default_factory=ValidationPolicy)
     retention: RetentionPolicy = Field(default_factory=RetentionPolicy)
     rollback: RollbackPolicy = Field(default_factory=RollbackPolicy)
+    preemption: PreemptionPolicy = Field(default_factory=PreemptionPolicy)
+    watchdog: WatchdogPolicy = Field(default_factory=WatchdogPolicy)
     observability: ObservabilityPolicy = Field(default_factory=ObservabilityPolicy)
     async_: AsyncPolicy = Field(default_factory=AsyncPolicy, alias="async")
 

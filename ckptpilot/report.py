@@ -10,7 +10,7 @@ file through the reader of the module that owns its format.
 Where each figure comes from (one rank's records, rank 0 by default; counts and bytes cover
 every rank):
 
-- **Runs** (failure ledger): each ``run_start`` up to the next ``run_end`` or
+- **Runs** (failure ledger): each ``run_start`` up to the next ``run_end``, ``stop`` or
   ``interruption``. Wall time runs from the first start to the last end, or to the newest
   heartbeat of a run with no end yet; up time adds the runs' monotonic uptimes.
 - **Step time** (heartbeat ring): the median seconds per step between consecutive heartbeats
@@ -18,7 +18,10 @@ every rank):
   intervals a save stalled, which are counted apart. The ring keeps only its newest records.
 - **Lost to failures**: the ledger's steps lost per interruption (the dead run's last
   heartbeat step minus the restored step) × step time; the steps after the last heartbeat
-  before a kill are never known. Rollbacks (``step`` − ``to_step``) are counted apart: the
+  before a kill are never known. A hang (a ``stop`` with cause ``hang``) loses its step minus
+  the next run's start step. Crashes (interruptions), hangs and preemptions (``stop`` with
+  cause ``preemption``: no failure, its emergency organ loses nothing) are counted apart.
+  Rollbacks (``step`` − ``to_step``) are counted apart: the
   run went on, they are no failure. **Productive** steps are the final timeline, from the
   first start step to the last step reached.
 - **Down after failures**: from the dead run's last heartbeat to the interruption's record,
@@ -56,9 +59,9 @@ from ckptpilot.rundir import heartbeat_path, ledger_path
 from ckptpilot.runops import Run
 from ckptpilot.scheduler.interval import daly_interval
 from ckptpilot.storage.heartbeat import read_all
-from ckptpilot.storage.ledger import FailureLedger, Interruption, Rollback
+from ckptpilot.storage.ledger import FailureLedger, Interruption, Rollback, Stop
 from ckptpilot.storage.metadata import CheckpointRow
-from ckptpilot.vocab import Status, Tier
+from ckptpilot.vocab import Status, StopCause, Tier
 
 __all__ = ["TIME_FIELDS", "GoodputReport", "RunRecords", "build_report", "format_table",
            "read_records", "run_report", "write_tensorboard"]
@@ -70,7 +73,7 @@ TIME_FIELDS = ("wall_seconds", "up_seconds", "productive_seconds", "lost_to_fail
                "stall_seconds", "background_seconds")
 """The fields that are durations: shown in GPU-hours too when the number of GPUs is given."""
 
-_LIFECYCLE = ("run_start", "run_end", "interruption")
+_LIFECYCLE = ("run_start", "run_end", "interruption", "stop")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class RunRecords:
     rollbacks: tuple[Rollback, ...]
     mtbf_seconds: float | None
     heartbeats: tuple[HeartbeatRecord, ...]
+    stops: tuple[Stop, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class GoodputReport:
     rows_without_timing: int
     goodput_fraction: float | None
     interruptions: int
+    hangs: int
+    preemptions: int
     rollbacks: int
     mtbf_seconds: float | None
     save_cost_seconds: float | None
@@ -174,7 +180,7 @@ def read_records(policy: Policy, *, rank: int = 0) -> RunRecords:
     return RunRecords(run_id=run.run_id, rank=rank, rows=rows, ledger=_ledger_lines(ledger_file),
                       interruptions=tuple(ledger.interruptions()),
                       rollbacks=tuple(ledger.rollbacks()), mtbf_seconds=ledger.mtbf_seconds(),
-                      heartbeats=heartbeats)
+                      heartbeats=heartbeats, stops=tuple(ledger.stops()))
 
 
 def _ledger_lines(path: Path) -> tuple[dict[str, Any], ...]:
@@ -218,7 +224,7 @@ def build_report(records: RunRecords, *, gpus: int | None = None) -> GoodputRepo
     step_seconds, samples = _step_seconds(records.heartbeats, [r.start_wall for r in runs])
     first_step = runs[0].start_step if runs else None
     last_step = runs[-1].end_step if runs else None
-    steps_lost = sum(i.steps_lost for i in records.interruptions)
+    steps_lost = sum(i.steps_lost for i in records.interruptions) + _hang_losses(records.ledger)
     rolled_back = sum(max(0, r.step - r.to_step) for r in records.rollbacks)
     trained = [max(0, r.end_step - r.start_step) for r in runs if r.end_step is not None]
     productive = None
@@ -275,7 +281,10 @@ def build_report(records: RunRecords, *, gpus: int | None = None) -> GoodputRepo
         rows_without_timing=untimed,
         goodput_fraction=(productive_seconds / wall if productive_seconds is not None
                           and wall is not None else None),
-        interruptions=len(records.interruptions), rollbacks=len(records.rollbacks),
+        interruptions=len(records.interruptions),
+        hangs=sum(s.cause == StopCause.HANG for s in records.stops),
+        preemptions=sum(s.cause == StopCause.PREEMPTION for s in records.stops),
+        rollbacks=len(records.rollbacks),
         mtbf_seconds=mtbf, save_cost_seconds=save_cost, young_daly_seconds=daly,
         young_daly_steps=daly / step_seconds if daly is not None and step_seconds else None,
         checkpoints=len(records.rows),
@@ -306,7 +315,7 @@ def _runs(ledger: Sequence[dict[str, Any]],
             continue
         if start is None:  # an end without its start: nothing to measure it from
             continue
-        ended = kind == "run_end"
+        ended = kind != "interruption"
         runs.append(_Run(start["step"], start["wall_time"],
                          record["step"] if ended else record["last_step"],
                          record["wall_time"] if ended else record["failed_at"],
@@ -321,6 +330,19 @@ def _runs(ledger: Sequence[dict[str, Any]],
         else:
             runs.append(_Run(start["step"], start["wall_time"], None, None, None))
     return runs
+
+
+def _hang_losses(ledger: Sequence[dict[str, Any]]) -> int:
+    """Steps lost to hangs: each hang's step minus the start step of the run after it."""
+    lost, hang = 0, None
+    for record in ledger:
+        if record["kind"] == "stop" and record["cause"] == StopCause.HANG:
+            hang = record["step"]
+        elif record["kind"] == "run_start":
+            if hang is not None:
+                lost += max(0, hang - record["step"])
+            hang = None
+    return lost
 
 
 def _step_seconds(heartbeats: Sequence[HeartbeatRecord],
@@ -405,7 +427,8 @@ def format_table(report: GoodputReport) -> str:
         ("step time", "unknown" if r.step_seconds is None else
          f"{r.step_seconds:.6f} s (median of {r.step_time_samples} heartbeat intervals)"),
         ("steps", f"{_n(r.first_step)} -> {_n(r.last_step)}"),
-        ("failures", f"{r.interruptions} interruption(s), {r.rollbacks} rollback(s); MTBF "
+        ("failures", f"{r.interruptions} crash(es), {r.hangs} hang(s), {r.preemptions} "
+         f"preemption(s), {r.rollbacks} rollback(s); MTBF "
          + ("unknown" if r.mtbf_seconds is None else f"{r.mtbf_seconds:.3f} s")),
         ("Young-Daly interval", f"{young_daly} (save cost {_num(r.save_cost_seconds, 6)} s, "
          "the median stall)"),

@@ -4,8 +4,9 @@ This module owns :class:`StepDecider`: the gradient-norm probe (every ``grad.pro
 optimizer steps, or the norm the loop hands over), the step time, the stall of recent saves,
 the health reading, the spike detector's verdict on the loss, and — single-process — the
 scheduler's ``measure`` → ``decide_from``, or — distributed — the decision from the signals
-the ranks agreed over the previous step while this step's reduction starts. It also writes the
-heartbeat record of a step.
+the ranks agreed over the previous step while this step's reduction starts; in both, whether a
+preemption notice is due (a rank's notice travels with its signals, so every rank honours it at
+the same step). It also writes the heartbeat record of a step.
 
 Everything here runs on the training thread at every step, so it stays small: a few
 microseconds of Python beside a training step (``bench/scheduler.py`` measures it). It must
@@ -19,6 +20,7 @@ import statistics
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +46,7 @@ class StepDecider:
 
     def __init__(self, policy: Policy, scheduler: AdaptiveCheckpointScheduler, *,
                  health: HealthMonitor | None, agreement: RankAgreement | None,
-                 rollback: RollbackGuard) -> None:
+                 rollback: RollbackGuard, notice: Callable[[], bool] = lambda: False) -> None:
         self._probe_every = policy.scheduler.grad.probe_every
         self._scheduler = scheduler
         self._health = health
@@ -60,6 +62,8 @@ class StepDecider:
         self.mtbf_seconds: float | None = None
         self.non_finite_steps = 0
         self.spike: tuple[int, str] | None = None  # (onset, reason) agreed at this step
+        self._notice = notice
+        self.preempt = False  # a preemption notice (agreed over the ranks) is due at this step
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -114,11 +118,13 @@ class StepDecider:
             # reset the hard-error reference before the next reduction carries it again.
             layout = scheduler.layout
             signals, agreed_costs, self.spike = self._agreement.take(layout)
+            self.preempt = self._agreement.notice
             scheduler.set_cost_model(**agreed_costs)
             decision = scheduler.decide_from(step, signals)
             self._agreement.start(layout, scheduler.measure(step, loss, grad, system), costs,
-                                  spike)
+                                  spike, self._notice())
         else:
+            self.preempt = self._notice()
             local = scheduler.measure(step, loss, grad, system)
             scheduler.set_cost_model(**costs)
             decision = scheduler.decide_from(step, local)

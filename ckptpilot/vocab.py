@@ -1,5 +1,6 @@
 """The words every layer shares: checkpoint levels, tiers, row statuses, retention classes,
-recovery sources and the checkpoint key.
+recovery sources, the checkpoint key, why a run was stopped and the exit statuses it then
+ends with.
 
 The ground floor of the package: it imports nothing from ckptpilot, so the metadata store,
 the planners, the tiers and the pilot all speak the same enums without depending on one
@@ -10,10 +11,11 @@ not change. Behaviour lives elsewhere; this module holds names and their fixed o
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import NamedTuple
 
-__all__ = ["CheckpointKey", "Level", "RecoverySource", "RetentionClass", "Status", "Tier"]
+__all__ = ["CheckpointKey", "ExitStatus", "Level", "RecoverySource", "RetentionClass", "Status",
+           "StopCause", "Tier"]
 
 
 class Level(str, Enum):
@@ -104,3 +106,21 @@ class CheckpointKey(NamedTuple):
     step: int
     rank: int
     tier: Tier
+
+
+class StopCause(str, Enum):
+    """Why the pilot itself ended a run (the ``cause`` of a ledger ``stop`` record): a
+    preemption notice is no failure, a hang is one (it counts in the MTBF)."""
+
+    PREEMPTION = "preemption"
+    HANG = "hang"
+
+
+class ExitStatus(IntEnum):
+    """The process exit statuses the pilot ends a run with (docs/operations/
+    preemption-and-hangs.md). Outside 1-2 (errors), 126-165 (shells and signals) and the
+    values of ``sysexits.h`` below 75, so a launcher can tell them from a crash."""
+
+    PREEMPTED = 75  # notice honoured: the emergency organ is durable and valid
+    PREEMPTED_UNSAVED = 76  # notice honoured, but the organ was not valid within the grace
+    HANG = 77  # no step progress within the watchdog's bound

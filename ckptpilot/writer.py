@@ -28,6 +28,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +171,20 @@ class CheckpointWriter:
     def release_slot(self) -> None:
         self._slots.release()
 
+    def capture_and_submit(self, take: Callable[[], Snapshot], plan: SavePlan) -> float:
+        """Wait for a slot, take the snapshot (``take``) and queue its save; returns the
+        stall the training thread paid (the wait and the copy)."""
+        t0 = time.perf_counter()
+        self.acquire_slot()
+        try:
+            snapshot = take()
+        except BaseException:
+            self.release_slot()
+            raise
+        stall = time.perf_counter() - t0
+        self.submit(snapshot, plan, stall)
+        return stall
+
     def submit(self, snapshot: Snapshot, plan: SavePlan, stall: float) -> None:
         """Queue the save of ``snapshot`` (its slot already acquired), tagged with the
         continuation it belongs to (``storage.lineage``: none before the first restore)."""
@@ -227,6 +242,12 @@ class CheckpointWriter:
             for job in list(self._jobs):
                 job.future.exception()
         self.raise_errors()
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """Wait up to ``timeout_seconds`` for every queued job; True when all are done. Their
+        errors stay for :meth:`raise_errors` (a preemption's deadline must not wait longer)."""
+        pending = [job.future for job in self._jobs]
+        return not futures.wait(pending, timeout=timeout_seconds).not_done
 
     def shutdown(self) -> None:
         self._executor.shutdown()

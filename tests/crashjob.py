@@ -9,6 +9,12 @@ Fault injection (all real SIGKILLs of this process):
 - ``--kill-in-save S --kill-point {tensors,publish}``: while the background writer persists
   the checkpoint of step S — in the middle of the tensor file, or after every file of the
   staging directory was written but before it is published.
+
+Preemption notices (tests/test_preemption.py): ``--notice-at-step S`` delivers the signal
+``--notice`` in the middle of step S (after the backward pass): sent by this process itself,
+or with ``--notice-from parent`` by the test, the step waiting until it arrives (a handler of
+the job's own, which the pilot chains, tells it). ``--slow-publish STEP:SECONDS`` holds the
+publication of the checkpoint of STEP back that long: a save still in flight.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from helpers import save_final_state, seeded_data
@@ -78,6 +85,18 @@ def _inject_kill_in_save(step: int, point: str) -> None:
         RemoteTier.publish = publish  # type: ignore[method-assign]
 
 
+def _slow_publish(step: int, seconds: float) -> None:
+    prefix = archive.checkpoint_name(step, 0)
+    original_publish = RemoteTier.publish
+
+    def publish(self: RemoteTier, staging: str, final: str) -> None:
+        if final == prefix:
+            time.sleep(seconds)
+        original_publish(self, staging, final)
+
+    RemoteTier.publish = publish  # type: ignore[method-assign]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", required=True)
@@ -88,9 +107,20 @@ def main() -> None:
     p.add_argument("--kill-after-step", type=int)
     p.add_argument("--kill-in-save", type=int)
     p.add_argument("--kill-point", choices=["tensors", "publish"], default="tensors")
+    p.add_argument("--notice-at-step", type=int)
+    p.add_argument("--notice", default="SIGTERM")
+    p.add_argument("--notice-from", choices=["self", "parent"], default="self")
+    p.add_argument("--slow-publish")
     a = p.parse_args()
     if a.kill_in_save is not None:
         _inject_kill_in_save(a.kill_in_save, a.kill_point)
+    if a.slow_publish is not None:
+        slow_step, seconds = a.slow_publish.split(":")
+        _slow_publish(int(slow_step), float(seconds))
+    notice = signal.Signals[a.notice]
+    noticed: list[int] = []
+    if a.notice_at_step is not None:
+        signal.signal(notice, lambda signum, frame: noticed.append(signum))
 
     x, y = seeded_data()
 
@@ -113,6 +143,14 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
+            if a.notice_at_step == step:
+                if a.notice_from == "self":
+                    os.kill(os.getpid(), notice)
+                else:
+                    print(f"WAITING {step}", flush=True)
+                    deadline = time.monotonic() + 120  # a safety net: the test sends it
+                    while not noticed and time.monotonic() < deadline:
+                        time.sleep(0.01)
             opt.step()
             sched.step()
             log.write(f"{step} {loss.item().hex()}\n")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +59,22 @@ def seeded_data() -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(512, 16, generator=gen)
     y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
     return x, y
+
+
+DDP_JOB = Path(__file__).with_name("ddpjob.py")
+
+
+def start_ddp_ranks(tmp: Path, cfg: Path, steps: int, *extra: list[str]
+                    ) -> list[subprocess.Popen[str]]:
+    """Two ranks of tests/ddpjob.py on a free port, run directory ``tmp/run``, final states
+    ``tmp/final0`` and ``tmp/final1``; ``extra[r]`` are rank r's own arguments."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    return [subprocess.Popen([sys.executable, str(DDP_JOB), "--rank", str(r), "--port",
+                              str(port), "--run-dir", str(tmp / "run"), "--config", str(cfg),
+                              "--steps", str(steps), "--final", str(tmp / f"final{r}"),
+                              *(extra[r] if extra else [])],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in (0, 1)]
+

@@ -53,7 +53,8 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     assert report.returncode == 0, report.stderr
     table = {line.split("  ", 1)[0]: line for line in report.stdout.splitlines()}
     assert f"{crash - 20} steps lost x step time" in table["lost to failures"]
-    assert table["failures"].startswith("failures             1 interruption(s), 0 rollback(s)")
+    assert table["failures"].startswith("failures             1 crash(es), 0 hang(s), 0 "
+                                        "preemption(s), 0 rollback(s); MTBF")
 
     again = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
     assert again.returncode == 0, again.stderr  # a previous demo directory is reused

@@ -10,6 +10,12 @@
 * ``rollback``: ``wall_time``, ``step`` (where the spike was confirmed), ``onset``, ``to_step``
   (the checkpoint restored), ``skipped_batches``, ``reason``. (A ckptpilot older than this
   record kind sets such a file aside as damaged.)
+* ``stop``: ``wall_time``, ``step`` (the last step boundary reached), ``cause``
+  (``preemption`` or ``hang``: ``ckptpilot.vocab.StopCause``), ``reason`` (what happened, in
+  words), optional ``uptime_seconds`` — the pilot itself ended that run: a preemption notice
+  (no failure) or its hang watchdog (a failure). It ends the run as ``run_end`` does, so the
+  restart records no ``interruption`` for it. (A ckptpilot older than this record kind sets
+  such a file aside as damaged.)
 
 Readers ignore fields they do not know, so an optional field needs no new version. Every
 number fits in ±2**53, so floats stay exact and no reader is sent a giant integer.
@@ -46,6 +52,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "to_step": (int,),
     "skipped_batches": (int,),
     "reason": (str,),
+    "cause": (str,),
 }
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "run_start": ("wall_time", "step"),
@@ -60,6 +67,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "recovery_seconds",
     ),
     "rollback": ("wall_time", "step", "onset", "to_step", "skipped_batches", "reason"),
+    "stop": ("wall_time", "step", "cause", "reason"),
 }
 """The fields each record kind must carry."""
 

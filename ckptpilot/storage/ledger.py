@@ -9,10 +9,12 @@ was interrupted (the pilot does, from its heartbeats, and records it here). It r
 only to stamp a record whose caller gave no ``wall_time``, to time a run it saw start and end
 itself, and to tell a stamp from the future when asked for the MTBF without ``now``.
 
-Records are JSON lines of the kinds ``run_start``, ``run_end``, ``interruption`` and
-``rollback`` (their fields and version: ``ckptpilot.format.ledger_line``). A rollback is an
-instability rollback: the run went on, so it is no failure and no lifecycle event; the MTBF
-and :meth:`FailureLedger.last_kind` pass over it.
+Records are JSON lines of the kinds ``run_start``, ``run_end``, ``interruption``, ``stop``
+and ``rollback`` (their fields and version: ``ckptpilot.format.ledger_line``). A rollback is
+an instability rollback: the run went on, so it is no failure and no lifecycle event; the MTBF
+and :meth:`FailureLedger.last_kind` pass over it. A ``stop`` is a run the pilot ended itself
+(``ckptpilot.vocab.StopCause``): it ends the run like ``run_end``; a preemption is no
+failure, a hang counts as one in the MTBF.
 
 Durations: wall times only stamp records. ``uptime_seconds`` is how long the run was up,
 measured on the monotonic clock (by this ledger between its own start and end records, or by
@@ -56,6 +58,7 @@ __all__ = [
     "FailureLedger",
     "Interruption",
     "Rollback",
+    "Stop",
 ]
 
 log = logging.getLogger("ckptpilot")
@@ -95,6 +98,18 @@ class Rollback:
     to_step: int
     skipped_batches: int
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """One run the pilot ended itself at ``step`` (the last step boundary reached), for
+    ``cause`` (``preemption`` or ``hang``), after ``uptime_seconds`` up (None: unknown)."""
+
+    wall_time: float
+    step: int
+    cause: str
+    reason: str
+    uptime_seconds: float | None = None
 
 
 class FailureLedger:
@@ -179,6 +194,36 @@ class FailureLedger:
         self._append({"kind": "interruption", **fields})
         return record
 
+    def record_stop(self, *, step: int, cause: str, reason: str,
+                    uptime_seconds: float | None = None) -> Stop:
+        """Record that the pilot ended the run at ``step`` for ``cause`` and return it.
+
+        May be called from a thread other than the one that recorded the start (the hang
+        watchdog's, while the training thread is stuck): it is still the file's only writer
+        then. The uptime is the monotonic time since this ledger stamped the start, when it
+        did, else ``uptime_seconds`` (the caller's, e.g. the heartbeat writer's).
+        """
+        uptime = _duration(uptime_seconds)
+        if self._started_monotonic is not None:
+            uptime = time.monotonic() - self._started_monotonic
+        record = Stop(wall_time=_now(None), step=int(step),
+                      cause=str(getattr(cause, "value", cause)), reason=str(reason),
+                      uptime_seconds=_duration(uptime))
+        fields = dataclasses.asdict(record)
+        if record.uptime_seconds is None:
+            del fields["uptime_seconds"]
+        self._started_monotonic = None
+        self._append({"kind": "stop", **fields})
+        return record
+
+    def stops(self) -> list[Stop]:
+        """Every recorded stop (preemptions and hangs), oldest first."""
+        return [
+            Stop(wall_time=float(r["wall_time"]), step=r["step"], cause=r["cause"],
+                 reason=r["reason"], uptime_seconds=_duration(r.get("uptime_seconds")))
+            for r in self._records() if r["kind"] == "stop"
+        ]
+
     def record_rollback(self, *, step: int, onset: int, to_step: int, skipped_batches: int,
                         reason: str, wall_time: float | None = None) -> Rollback:
         """Record one instability rollback and return it."""
@@ -198,8 +243,8 @@ class FailureLedger:
         ]
 
     def last_kind(self) -> str | None:
-        """Kind of the newest lifecycle record (``run_start``/``run_end``/``interruption``),
-        None if there is none; rollbacks are passed over.
+        """Kind of the newest lifecycle record (``run_start``/``run_end``/``interruption``/
+        ``stop``), None if there is none; rollbacks are passed over.
 
         ``run_start`` as the newest record means the run it started never closed cleanly.
         """
@@ -213,12 +258,12 @@ class FailureLedger:
         ]
 
     def mtbf_seconds(self, now: float | None = None) -> float | None:
-        """Observed uptime divided by the number of interruptions: a positive finite number,
-        or None while unknown (no interruption of known duration).
+        """Observed uptime divided by the number of failures (interruptions and hangs): a
+        positive finite number, or None while unknown (no failure of known duration).
 
         A run's uptime is its end record's ``uptime_seconds`` or, without one, the wall time
         from its ``run_start`` to the ``failed_at`` of the next interruption or to its
-        ``run_end``; a wall-clock duration that is not positive, or that ends more than
+        ``run_end`` or ``stop``; a wall-clock duration that is not positive, or that ends more than
         :data:`FUTURE_SLACK_SECONDS` after ``now`` (default: the clock), is unknown. A run of
         unknown duration is left out, interruption and all. A run still going counts up to
         ``now`` only when ``now`` is passed.
@@ -235,6 +280,7 @@ class FailureLedger:
             if kind == "run_start":
                 start = record
                 continue
+            failed = kind == "interruption" or (kind == "stop" and record["cause"] == "hang")
             end = record["failed_at"] if kind == "interruption" else record["wall_time"]
             seconds = _duration(record.get("uptime_seconds"))
             if seconds is None and start is not None:
@@ -244,7 +290,7 @@ class FailureLedger:
                 left_out += 1
                 continue
             uptime += seconds
-            if kind == "interruption":
+            if failed:
                 failures += 1
         if failures == 0:
             return None
