@@ -74,7 +74,7 @@ class Expect(str, Enum):
     PUBLISHED = "newest published on every rank when the job ended"  # read between launches
 
 
-@dataclass(frozen=True)
+@dataclass
 class Damage:
     """What the parent's action did: a description, the (rank, step, tier) copies it
     destroyed, and the tiers it took down as a whole."""
@@ -82,6 +82,7 @@ class Damage:
     what: str
     lost: frozenset[tuple[int, int, str]] = frozenset()
     lost_tiers: frozenset[str] = frozenset()
+    notes: list[str] = field(default_factory=list)  # what the judging learnt of the incident
 
 
 @dataclass
@@ -413,7 +414,8 @@ def _judge(incident: Incident, trial: CampaignTrial, starts: Starts, damage: Dam
                      f"{'+'.join(sources)}")
     if incident.ledger_cause is not None:
         notes.append(_ledgers(incident, trial))
-    head = "; ".join([*([damage.what] if damage.what else []), *_faults(starts)])
+    head = "; ".join([*([damage.what] if damage.what else []), *_faults(starts),
+                      *damage.notes])
     head = head + "; " if head else ""
     if expected == 0 and _held_any(quiet):
         if run.returncode == 0:
@@ -452,7 +454,8 @@ def _ledgers(incident: Incident, trial: CampaignTrial) -> str:
             raise ScenarioFailed(f"{path}: rank {r}'s failure ledger has no stop record with "
                                  f"cause {incident.ledger_cause!r}")
     who = "every rank's" if len(ranks) == trial.ranks else f"rank {', '.join(map(str, ranks))}'s"
-    return f"{who} ledger records a stop ({incident.ledger_cause})"
+    logged = f", its log '{incident.logged}'" if incident.logged else ""
+    return f"{who} ledger records a stop ({incident.ledger_cause}){logged}"
 
 
 def _faults(starts: Starts) -> list[str]:
@@ -493,6 +496,7 @@ def _expected(incident: Incident, starts: Starts, quiet: dict[int, dict[str, Any
         if codes != {incident.exit_code}:
             raise ScenarioFailed(f"the ranks exited with {sorted(codes, key=str)}, expected "
                                  f"{incident.exit_code}")
+        damage.notes.append(f"every rank exited {incident.exit_code} through the pilot")
         return agreed_step(exited, damage, incident.lost_tiers)
     faults = [f for r in range(starts.run.ranks) if (f := starts.get("fault", r, 0))]
     if not faults:
