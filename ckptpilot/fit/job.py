@@ -10,9 +10,12 @@ bit with an uninterrupted reference.
 
 What the parent reads back, all under ``--out`` (one file per rank):
 
-- ``events_rank{r}.jsonl``: what happened, one JSON object a line — ``restored`` (or
-  ``refused``: restore raised), ``fault`` (just before the job kills itself, with the saves
-  completed so far), ``error`` (a ckptpilot error stopped training), ``paused``, ``done``;
+- ``events_rank{r}.jsonl``: what happened, one JSON object a line, each naming its start of
+  the torchrun worker group (``attempt``) — ``restored`` (or ``refused``: restore raised),
+  ``fault`` (just before the job kills itself, with the saves completed so far), ``error`` (a
+  ckptpilot error stopped training), ``paused``, ``quiet`` (the campaign's quiet point: the
+  pid and the saves completed, see ``rankfaults``), ``exited`` (the pilot ended the process,
+  with its status), ``done``;
 - ``losses_rank{r}.txt``: ``<step> <loss as float hex>`` for every step this run trained;
 - ``final_rank{r}.safetensors`` and ``.json`` after the last step: model, optimizer,
   schedule, data cursor and every RNG state.
@@ -186,7 +189,7 @@ def _kill_in_write(job: Job, at_step: int, *, wait: str | None = None) -> None:
                 TENSORS_FILE, CONTAINER_FILE):
             return
         waited = None if wait is None else rankfaults.wait_for(lambda: ready(tier, step),
-                                                      OTHER_RANKS_WAIT_SECONDS)
+                                                               OTHER_RANKS_WAIT_SECONDS)
         write = out.write
 
         def dying(data: bytes | memoryview) -> int:
