@@ -91,7 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="policy YAML to test (default: the reference policy)")
     fit.add_argument("--scenario", action="append", default=None, metavar="NAME",
                      help="run only this scenario (repeatable; --list shows them)")
-    fit.add_argument("--json", action="store_true", help="print the JSON document, not the table")
+    fit.add_argument("--only", type=_names, default=None, metavar="NAME,...",
+                     help="run only these scenarios (incidents with --launcher torchrun)")
+    fit.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                     help="print the JSON document instead of the table; with PATH, write it "
+                          "there and print the table")
+    fit.add_argument("--launcher", choices=("process", "torchrun"), default="process",
+                     help="torchrun: the incident campaign against a real torchrun "
+                          "--max-restarts job of --nproc ranks")
+    fit.add_argument("--nproc", type=_positive_int, default=2, metavar="N",
+                     help="ranks of the torchrun campaign's jobs (default 2)")
+    fit.add_argument("--reference", type=Path, default=None, metavar="DIR",
+                     help="torchrun: compare with an earlier campaign's uninterrupted job "
+                          "(WORK_DIR/reference-torchrun/out/uninterrupted) instead of "
+                          "running it again")
     fit.add_argument("--work-dir", type=Path, default=None,
                      help="where the scenarios run (default: a new temporary directory)")
     fit.add_argument("--with-peers", action="store_true",
@@ -100,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep every scenario's directory (default: only failed ones)")
     fit.add_argument("--list", action="store_true", help="list the scenarios and exit")
     return parser
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected NAME,..., got {text!r}")
+    return names
 
 
 def _non_negative_int(text: str) -> int:
@@ -134,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             from ckptpilot.fit import list_scenarios, run_fit
 
             if args.list:
-                return list_scenarios(sys.stdout)
-            return run_fit(config=args.config, scenarios=args.scenario, work_dir=args.work_dir,
-                           with_peers=args.with_peers, as_json=args.json, keep=args.keep)
+                return list_scenarios(sys.stdout, args.launcher)
+            names = [*(args.scenario or []), *(args.only or [])]
+            return run_fit(config=args.config, scenarios=names or None,
+                           work_dir=args.work_dir, with_peers=args.with_peers,
+                           as_json=args.json == "-", keep=args.keep, launcher=args.launcher,
+                           nproc=args.nproc, reference=args.reference,
+                           json_path=None if args.json in (None, "-") else Path(args.json))
         policy = load_policy(args.config, run_dir=args.run_dir)
         out = sys.stdout
         if args.command == "ls":

@@ -11,6 +11,8 @@ failed, 2 on bad input (raised as ``FitError`` or the policy's ``PolicyError``).
 
 The scenarios live in ``scenarios.py`` (one registry, ``SCENARIOS``), the child job in
 ``job.py``, the processes and comparisons in ``harness.py``, the output in ``report.py``.
+``--launcher torchrun`` runs the incident campaign instead (``campaign.py``, its table in
+``incidents.py``): every incident against a real ``torchrun --max-restarts`` job of N ranks.
 """
 
 from __future__ import annotations
@@ -36,31 +38,42 @@ if TYPE_CHECKING:
 __all__ = ["FitError", "list_scenarios", "run_fit"]
 
 WORK_DIR_MARKER = ".ckptpilot-fit"
+LAUNCHERS = ("process", "torchrun")
 
 
 class FitError(CkptPilotError, ValueError):
     """Bad ``ckptpilot fit`` input: an unknown scenario, a work directory fit cannot use."""
 
 
-def list_scenarios(out: TextIO) -> int:
-    """Print every scenario: name, what it needs, the fault and what passing means."""
+def list_scenarios(out: TextIO, launcher: str = "process") -> int:
+    """Print every scenario (or incident): name, what it needs, the fault and what passing
+    means."""
+    from ckptpilot.fit.incidents import INCIDENTS
     from ckptpilot.fit.scenarios import SCENARIOS
 
+    if launcher == "torchrun":
+        width = max(len(i.name) for i in INCIDENTS)
+        for i in INCIDENTS:
+            out.write(f"{i.name:<{width}}  [{i.needs.value}] {i.fault}: {i.passes}\n")
+        return 0
     width = max(len(s.name) for s in SCENARIOS)
     for s in SCENARIOS:
         out.write(f"{s.name:<{width}}  [{s.needs.value}] {s.fault}: {s.passes}\n")
     return 0
 
 
-def _select(names: Sequence[str] | None) -> list[str]:
-    from ckptpilot.fit.scenarios import BY_NAME, SCENARIOS
+def _select(names: Sequence[str] | None, launcher: str = "process") -> list[str]:
+    from ckptpilot.fit.incidents import INCIDENTS
+    from ckptpilot.fit.scenarios import SCENARIOS
 
+    valid = [s.name for s in (INCIDENTS if launcher == "torchrun" else SCENARIOS)]
     if not names:
-        return [s.name for s in SCENARIOS]
-    unknown = [n for n in names if n not in BY_NAME]
+        return valid
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise FitError(f"unknown scenario {', '.join(map(repr, unknown))}; valid scenarios: "
-                       f"{', '.join(BY_NAME)}")
+        what = "incident" if launcher == "torchrun" else "scenario"
+        raise FitError(f"unknown {what} {', '.join(map(repr, unknown))}; valid {what}s: "
+                       f"{', '.join(valid)}")
     return list(dict.fromkeys(names))
 
 
@@ -94,9 +107,16 @@ def _prepare_work_dir(work_dir: Path | None) -> Path:
 
 def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
             work_dir: Path | None = None, with_peers: bool = False, as_json: bool = False,
-            keep: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
+            keep: bool = False, out: TextIO | None = None, err: TextIO | None = None,
+            launcher: str = "process", nproc: int = 2, json_path: Path | None = None,
+            reference: Path | None = None) -> int:
     """Run the scenarios (all when ``scenarios`` is empty) against the policy ``config``
     (the reference policy when None); returns the exit code.
+
+    ``launcher="torchrun"``: run the incidents of the campaign instead, each against a
+    torchrun job of ``nproc`` ranks; ``reference``: the outputs of an earlier campaign's
+    uninterrupted job (``<work>/reference-torchrun/out/uninterrupted``) to compare with,
+    instead of running it again. ``json_path``: also write the JSON document there.
 
     ``work_dir``: where the scenarios' run directories go (default: a new temporary
     directory); a directory made by an earlier fit run is emptied first. A scenario that
@@ -106,6 +126,9 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
     """
     from ckptpilot.fit.harness import Harness
     from ckptpilot.fit.report import (
+        CAMPAIGN_COLUMNS,
+        COLUMNS,
+        Result,
         exit_code,
         progress_line,
         render_table,
@@ -121,29 +144,51 @@ def run_fit(*, config: Path | None, scenarios: Sequence[str] | None = None,
         err.write(line + "\n")
         err.flush()
 
-    names = _select(scenarios)
+    if launcher not in LAUNCHERS:
+        raise FitError(f"unknown launcher {launcher!r}; valid launchers: {', '.join(LAUNCHERS)}")
+    if launcher == "torchrun" and nproc < 2:
+        raise FitError(f"--nproc {nproc}: a torchrun campaign needs at least 2 ranks")
+    if reference is not None and launcher != "torchrun":
+        raise FitError("--reference applies to --launcher torchrun only")
+    names = _select(scenarios, launcher)
     policy = load_policy(config)
     work = _prepare_work_dir(work_dir)
     harness = Harness(work, policy, fit_id=uuid.uuid4().hex[:8], progress=progress)
-    progress(f"ckptpilot fit: {len(names)} scenarios, policy {config or '(reference)'}, "
+    campaign = launcher == "torchrun"
+    what = f"incidents under torchrun, {nproc} ranks" if campaign else "scenarios"
+    progress(f"ckptpilot fit: {len(names)} {what}, policy {config or '(reference)'}, "
              f"work dir {work}")
+    peers = policy.tiers.peer.enabled or with_peers
     t0 = time.monotonic()
     outcomes = []
     try:
-        for index, name in enumerate(names, 1):
-            outcomes.append(_run_scenario(harness, name, peers=policy.tiers.peer.enabled
-                                          or with_peers, keep=keep))
+        if campaign:
+            from ckptpilot.fit.campaign import run_campaign
+
+            outcomes = run_campaign(harness, names, nproc=nproc, keep=keep, peers=peers,
+                                    reference_dir=reference, progress=progress)
+        for index, name in enumerate([] if campaign else names, 1):
+            outcomes.append(_run_scenario(harness, name, peers=peers, keep=keep))
             progress(progress_line(index, len(names), outcomes[-1]))
     finally:
         harness.close(keep=keep)
     wall = time.monotonic() - t0
     document = to_document(outcomes, config=None if config is None else os.fspath(config),
                            work_dir=work, wall_seconds=wall)
-    write_outputs(work, document, outcomes)
+    document["launcher"] = launcher
+    columns = CAMPAIGN_COLUMNS if campaign else COLUMNS
+    if campaign:
+        ran = [o for o in outcomes if o.result is not Result.SKIPPED]
+        document.update(nproc=nproc, incident_types=len(ran),
+                        incidents_passed=sum(o.result is Result.PASSED for o in ran))
+    write_outputs(work, document, outcomes, columns)
+    if json_path is not None:
+        json_path.write_text(json.dumps(document, indent=1) + "\n")
     if as_json:
         out.write(json.dumps(document, indent=1) + "\n")
     else:
-        out.write(render_table(outcomes, wall_seconds=wall, work_dir=work) + "\n")
+        out.write(render_table(outcomes, wall_seconds=wall, work_dir=work, columns=columns)
+                  + "\n")
     return exit_code(outcomes)
 
 

@@ -156,6 +156,22 @@ class Reference:
     info: dict[int, dict[str, Any]]
 
 
+def load_reference(out: Path, ranks: int, steps: int) -> Reference | HarnessError:
+    """The reference an uninterrupted run left in ``out`` (its losses and final states)."""
+    losses, tensors, info = {}, {}, {}
+    for r in range(ranks):
+        losses[r] = dict(read_losses(out / f"losses_rank{r:05d}.txt"))
+        final = out / f"final_rank{r:05d}"
+        if not Path(str(final) + ".json").exists():
+            return HarnessError(f"{final}.json: the reference of rank {r} has no final state")
+        tensors[r] = safetensors.torch.load_file(str(final) + ".safetensors")
+        info[r] = json.loads(Path(str(final) + ".json").read_text())
+        if sorted(losses[r]) != list(range(1, steps + 1)):
+            return HarnessError(f"{out}: the reference run of rank {r} did not train steps "
+                                f"1..{steps}")
+    return Reference(losses, tensors, info)
+
+
 def read_losses(path: Path) -> list[tuple[int, str]]:
     try:
         text = path.read_text()
@@ -178,6 +194,8 @@ class Trial:
     """One scenario's scratch directory: ``policy.yaml``, ``run/`` (the run directory),
     ``out/<label>/`` per child. Every child of a trial shares the run directory, as the
     restarts of one training job do."""
+
+    extra_env: dict[str, str] = {}  # noqa: RUF012 - read only; a subclass replaces it
 
     def __init__(self, harness: Harness, name: str, *, peers: PeerCluster | None,
                  dist: bool) -> None:
@@ -203,13 +221,19 @@ class Trial:
         return RemoteTier(self.policy.tiers.remote.url,
                           self.policy.tiers.remote.storage_options)
 
-    def _command(self, out: Path, options: dict[str, Any]) -> list[str]:
-        job = ["--config", str(self.policy_path), "--steps", str(STEPS), "--out", str(out)]
+    def job_args(self, out: Path, options: dict[str, Any], steps: int = STEPS) -> list[str]:
+        """The training child's arguments: the scenario's policy, ``out`` and ``options``
+        as flags (``at_step=25`` is ``--at-step 25``)."""
+        job = ["--config", str(self.policy_path), "--steps", str(steps), "--out", str(out)]
         for key, value in options.items():
             if value is None or value is False:
                 continue
             flag = "--" + key.replace("_", "-")
             job += [flag] if value is True else [flag, str(value)]
+        return job
+
+    def _command(self, out: Path, options: dict[str, Any]) -> list[str]:
+        job = self.job_args(out, options)
         if not self.dist:
             return [sys.executable, "-m", "ckptpilot.fit.job", *job]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -228,7 +252,7 @@ class Trial:
             proc = subprocess.Popen(self._command(out, options), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True,
-                                    env={**os.environ, "TMPDIR": str(tmp)})
+                                    env={**os.environ, **self.extra_env, "TMPDIR": str(tmp)})
         return Running(label, out, proc, self.ranks, time.monotonic())
 
     def run(self, label: str, **options: Any) -> ChildRun:
@@ -260,10 +284,11 @@ class Trial:
                 tier.fs.rm(tier.root, recursive=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def compare(self) -> tuple[bool, str]:
+    def compare(self, ref: Reference | None = None) -> tuple[bool, str]:
         """Whether every step trained by every run, and the final state, equal the
-        reference bit for bit; else what differs first."""
-        ref = self.harness.reference(dist=self.dist)
+        reference (default: the harness's of this kind of job) bit for bit; else what
+        differs first."""
+        ref = self.harness.reference(dist=self.dist) if ref is None else ref
         for rank in range(self.ranks):
             want = ref.losses[rank]
             seen: set[int] = set()
@@ -347,6 +372,11 @@ class Harness:
         self._current = Trial(self, name, peers=self.peers() if peers else None, dist=dist)
         return self._current
 
+    def begin(self, trial: Trial) -> Trial:
+        """Make ``trial`` (built by the caller) the one running now (see ``release``)."""
+        self._current = trial
+        return trial
+
     def write_policy(self, path: Path, run_dir: Path, name: str,
                      peers: PeerCluster | None) -> Policy:
         data = json.loads(json.dumps(self._template))
@@ -419,17 +449,9 @@ class Harness:
     def _make_reference(self, dist: bool) -> Reference | HarnessError:
         trial = Trial(self, "reference-dist" if dist else "reference", peers=None, dist=dist)
         run = trial.run("uninterrupted")
-        ranks = range(trial.ranks)
-        if run.returncode != 0 or any(run.event("done", r) is None for r in ranks):
+        if run.returncode != 0 or any(run.event("done", r) is None for r in range(run.ranks)):
             return HarnessError(f"the uninterrupted reference run failed: {run.describe()}")
-        losses, tensors, info = {}, {}, {}
-        for r in ranks:
-            losses[r] = dict(read_losses(run.out / f"losses_rank{r:05d}.txt"))
-            tensors[r] = safetensors.torch.load_file(run.out / f"final_rank{r:05d}.safetensors")
-            info[r] = json.loads((run.out / f"final_rank{r:05d}.json").read_text())
-            if sorted(losses[r]) != list(range(1, STEPS + 1)):
-                return HarnessError(f"the reference run of rank {r} did not train every step")
-        return Reference(losses, tensors, info)
+        return load_reference(run.out, run.ranks, STEPS)
 
     def close(self, *, keep: bool) -> None:
         """Stop the peer daemons; remove the pristine copies unless ``keep``."""

@@ -10,9 +10,12 @@ bit with an uninterrupted reference.
 
 What the parent reads back, all under ``--out`` (one file per rank):
 
-- ``events_rank{r}.jsonl``: what happened, one JSON object a line — ``restored`` (or
-  ``refused``: restore raised), ``fault`` (just before the job kills itself, with the saves
-  completed so far), ``error`` (a ckptpilot error stopped training), ``paused``, ``done``;
+- ``events_rank{r}.jsonl``: what happened, one JSON object a line, each naming its start of
+  the torchrun worker group (``attempt``) — ``restored`` (or ``refused``: restore raised),
+  ``fault`` (just before the job kills itself, with the saves completed so far), ``error`` (a
+  ckptpilot error stopped training), ``paused``, ``quiet`` (the campaign's quiet point: the
+  pid and the saves completed, see ``rankfaults``), ``exited`` (the pilot ended the process,
+  with its status), ``done``;
 - ``losses_rank{r}.txt``: ``<step> <loss as float hex>`` for every step this run trained;
 - ``final_rank{r}.safetensors`` and ``.json`` after the last step: model, optimizer,
   schedule, data cursor and every RNG state.
@@ -49,6 +52,8 @@ import torch
 
 from ckptpilot import CheckpointPilot, CkptPilotError, ResumableSampler, load_policy
 from ckptpilot import state as state_module
+from ckptpilot.fit import rankfaults
+from ckptpilot.fit.harness import read_losses
 from ckptpilot.probes.gpu import DeviceReading, GpuHealthProvider, GpuReading
 from ckptpilot.probes.monitor import FROM_POLICY
 from ckptpilot.storage.archive import (
@@ -65,7 +70,7 @@ from ckptpilot.validation.postwrite import PostWriteValidator
 WRITE_WAITS = {"kill-write": None, "kill-write-after-rank0": "rank0-published",
                "kill-write-every-rank": "every-rank-writing"}
 FAULTS = ("kill-capture", *WRITE_WAITS, "kill-validate", "kill-publish", "kill-between",
-          "enospc", "remote-down", "remote-flaky", "nvml-burst")
+          "enospc", "remote-down", "remote-flaky", "nvml-burst", *rankfaults.FAULTS)
 EXIT_ERROR = 3  # a ckptpilot error (restore refused, a save failed): reported in the events
 ENOSPC_AFTER_BYTES = 4096
 OTHER_RANKS_WAIT_SECONDS = 60.0
@@ -77,15 +82,18 @@ BATCH = 32
 
 class Events:
     """Appends JSON lines for the parent; each line is flushed as written, so it survives the
-    SIGKILL that follows it."""
+    SIGKILL that follows it. Every line names the start of the worker group (``attempt``):
+    the starts of one torchrun job share the file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, attempt: int) -> None:
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the job
         self._lock = threading.Lock()
+        self._attempt = attempt
 
     def emit(self, event: str, **fields: Any) -> None:
         with self._lock:
-            self._file.write(json.dumps({"event": event, **fields}) + "\n")
+            self._file.write(json.dumps({"event": event, "attempt": self._attempt, **fields})
+                             + "\n")
             self._file.flush()
 
 
@@ -180,8 +188,8 @@ def _kill_in_write(job: Job, at_step: int, *, wait: str | None = None) -> None:
         if step is None or step < at_step or relpath.rsplit("/", 1)[-1] not in (
                 TENSORS_FILE, CONTAINER_FILE):
             return
-        waited = None if wait is None else _wait_for(lambda: ready(tier, step),
-                                                      OTHER_RANKS_WAIT_SECONDS)
+        waited = None if wait is None else rankfaults.wait_for(lambda: ready(tier, step),
+                                                               OTHER_RANKS_WAIT_SECONDS)
         write = out.write
 
         def dying(data: bytes | memoryview) -> int:
@@ -201,15 +209,6 @@ def _kill_in_write(job: Job, at_step: int, *, wait: str | None = None) -> None:
         return original_put(self, ckpt_id, *args, **kwargs)
 
     PeerTier.put = put  # type: ignore[method-assign]
-
-
-def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _kill_in_validate(job: Job, at_step: int) -> None:
@@ -396,6 +395,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--at-step", type=int, default=0)
     p.add_argument("--fault-rank", type=int, default=None,
                    help="only this rank injects the fault (default: every rank)")
+    p.add_argument("--fault-attempt", type=int, default=0,
+                   help="inject the fault only in this start of the torchrun worker group")
+    p.add_argument("--quiet-at-step", type=int, default=None,
+                   help="first start only: flush, report the saves and meet the other ranks "
+                        "after this step, then wait for --go-file if given")
     p.add_argument("--clock-offset-seconds", type=float, default=0.0)
     p.add_argument("--exit-after-restore", action="store_true")
     p.add_argument("--pause-at-step", type=int, default=None)
@@ -419,6 +423,8 @@ def _install(fault: str | None, at_step: int, job: Job) -> None:
         _remote_down()
     elif fault == "remote-flaky":
         _remote_flaky()
+    elif fault in rankfaults.FAULTS:
+        rankfaults.install(fault, at_step, job.die, job.world_size)
 
 
 @dataclass
@@ -478,16 +484,23 @@ def _train(a: argparse.Namespace, job: Job, pilot: CheckpointPilot, training: Tr
                 burst.arm()
                 if not burst.wait_seen(BURST_WAIT_SECONDS):
                     raise RuntimeError("the health monitor never read the GPU provider")
-            if burst is not None and decision.emergency:
-                pilot.flush()
-                job.die("after the emergency organ", step,
-                        level=decision.level.value if decision.level else None)
+            if a.fault == "nvml-burst" and decision.emergency and (burst is not None
+                                                                    or a.dist):
+                pilot.flush()  # every rank's organ complete before the burst's rank dies
+                if a.dist:
+                    torch.distributed.barrier()
+                if burst is not None:
+                    job.die("after the emergency organ", step,
+                            level=decision.level.value if decision.level else None)
             if kill_between and step == a.at_step:
                 pilot.flush()  # between saves: nothing in flight when the kill lands
                 job.die("between saves", step)
+            if step == a.quiet_at_step and rankfaults.attempt() == 0:
+                rankfaults.quiet_point(job.events.emit, pilot, job.saves, step, dist=a.dist,
+                                       go_file=a.go_file)
             if step == a.pause_at_step and a.go_file is not None:
                 job.events.emit("paused", step=step)
-                if not _wait_for(a.go_file.exists, GO_WAIT_SECONDS):
+                if not rankfaults.wait_for(a.go_file.exists, GO_WAIT_SECONDS):
                     raise RuntimeError(f"{a.go_file} did not appear")
 
 
@@ -499,10 +512,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.distributed.init_process_group("gloo")
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     a.out.mkdir(parents=True, exist_ok=True)
-    job = Job(Events(a.out / f"events_rank{rank:05d}.jsonl"), rank, world)
+    job = Job(Events(a.out / f"events_rank{rank:05d}.jsonl", rankfaults.attempt()), rank, world)
     if a.clock_offset_seconds:
         _shift_clock(a.clock_offset_seconds)
-    injects = a.fault is not None and a.fault_rank in (None, rank)
+    injects = (a.fault is not None and a.fault_rank in (None, rank)
+               and rankfaults.attempt() == a.fault_attempt)
     _install(a.fault if injects else None, a.at_step, job)
     burst = BurstProvider() if injects and a.fault == "nvml-burst" else None
     training = Training.build(a.steps, rank, world)
@@ -510,6 +524,8 @@ def main(argv: list[str] | None = None) -> None:
                             lr_scheduler=training.sched, data_state=training.sampler,
                             gpu_health=FROM_POLICY if burst is None else burst)
     job.pilot = pilot
+    if injects and a.fault == "stop-mid-step":
+        rankfaults.stop_mid_step(training.model, lambda: pilot.step, a.at_step, job.events.emit)
     try:
         start = pilot.restore()
     except CkptPilotError as e:
@@ -517,13 +533,19 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(EXIT_ERROR)
     rec = pilot.last_recovery
     assert rec is not None
-    job.events.emit("restored", step=start, source=rec.source.value, level=rec.level,
+    reached = max((s for s, _ in read_losses(a.out / f"losses_rank{rank:05d}.txt")), default=0)
+    job.events.emit("restored", step=start, reached=reached, pid=os.getpid(),
+                    source=rec.source.value,
+                    level=rec.level,
                     steps_lost=rec.steps_lost, seconds=rec.seconds, location=rec.location,
                     skipped=[[s.location, s.reason] for s in rec.skipped])
     try:
         if not a.exit_after_restore:
             _train(a, job, pilot, training, start, burst)
         pilot.close()
+    except SystemExit as e:  # the pilot ends the process (a preemption notice honoured)
+        job.events.emit("exited", code=e.code, step=pilot.step, saves=job.saves())
+        raise
     except CkptPilotError as e:
         job.events.emit("error", error=type(e).__name__, message=str(e), saves=job.saves())
         os._exit(EXIT_ERROR)

@@ -41,6 +41,7 @@ class Outcome:
     bit_exact: bool | None = None
     restore_seconds: float | None = None
     run_dir: str | None = None
+    restarts: int | None = None  # torchrun campaign: restarts of the worker group
 
     def row(self) -> dict[str, Any]:
         row = asdict(self)
@@ -63,16 +64,21 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-_COLUMNS = (("scenario", "scenario"), ("fault", "fault"), ("recovered step", "recovered_step"),
+COLUMNS = (("scenario", "scenario"), ("fault", "fault"), ("recovered step", "recovered_step"),
             ("source", "source"), ("steps lost", "steps_lost"), ("seconds", "seconds"),
             ("bit-exact", "bit_exact"), ("result", "result"))
+CAMPAIGN_COLUMNS = (("incident", "scenario"), ("fault", "fault"), ("restarts", "restarts"),
+                    *COLUMNS[2:])
+"""The torchrun campaign's table: one incident a row, with the worker group's restarts."""
+
+Columns = tuple[tuple[str, str], ...]
 
 
-def _cells(outcomes: Sequence[Outcome]) -> list[list[str]]:
+def _cells(outcomes: Sequence[Outcome], columns: Columns) -> list[list[str]]:
     rows = []
     for o in outcomes:
         values = o.row()
-        rows.append([_cell(values[key]) for _, key in _COLUMNS])
+        rows.append([_cell(values[key]) for _, key in columns])
     return rows
 
 
@@ -89,10 +95,11 @@ def progress_line(index: int, total: int, outcome: Outcome) -> str:
             f"{outcome.seconds:5.1f} s  {detail}")
 
 
-def render_table(outcomes: Sequence[Outcome], *, wall_seconds: float, work_dir: Path) -> str:
+def render_table(outcomes: Sequence[Outcome], *, wall_seconds: float, work_dir: Path,
+                 columns: Columns = COLUMNS) -> str:
     """The plain-text table, then one line per scenario that did not pass."""
-    header = [name for name, _ in _COLUMNS]
-    rows = _cells(outcomes)
+    header = [name for name, _ in columns]
+    rows = _cells(outcomes, columns)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in [header, *rows]]
@@ -109,11 +116,11 @@ def render_table(outcomes: Sequence[Outcome], *, wall_seconds: float, work_dir: 
     return "\n".join(lines)
 
 
-def render_markdown(outcomes: Sequence[Outcome]) -> str:
+def render_markdown(outcomes: Sequence[Outcome], columns: Columns = COLUMNS) -> str:
     """The table as Markdown, which TensorBoard's text tab renders."""
-    header = [name for name, _ in _COLUMNS]
+    header = [name for name, _ in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in _cells(outcomes)]
+    lines += ["| " + " | ".join(r) + " |" for r in _cells(outcomes, columns)]
     return "\n".join(lines)
 
 
@@ -129,8 +136,8 @@ def to_document(outcomes: Sequence[Outcome], *, config: str | None, work_dir: Pa
     }
 
 
-def write_outputs(work_dir: Path, document: dict[str, Any],
-                  outcomes: Sequence[Outcome]) -> None:
+def write_outputs(work_dir: Path, document: dict[str, Any], outcomes: Sequence[Outcome],
+                  columns: Columns = COLUMNS) -> None:
     """``<work_dir>/fit.json`` and, under ``<work_dir>/tensorboard``, the table as text and
     ``fit/<scenario>/passed|seconds|steps_lost`` scalars for every scenario that ran."""
     (work_dir / "fit.json").write_text(json.dumps(document, indent=1) + "\n")
@@ -138,7 +145,7 @@ def write_outputs(work_dir: Path, document: dict[str, Any],
 
     writer = SummaryWriter(log_dir=str(work_dir / "tensorboard"))
     try:
-        writer.add_text("fit/table", render_markdown(outcomes))
+        writer.add_text("fit/table", render_markdown(outcomes, columns))
         for o in outcomes:
             if o.result is Result.SKIPPED:
                 continue

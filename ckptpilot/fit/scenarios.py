@@ -97,32 +97,32 @@ def _kill_between(h: Harness, name: str, obs: Observation) -> str:
 
 # -- damaged storage -----------------------------------------------------------------------
 
-def _tensors_file(trial: Trial, step: int) -> tuple[str, str]:
+def _tensors_file(trial: Trial, step: int, rank: int) -> tuple[str, str]:
     """The path of a checkpoint's tensors file, and how to name it in a message."""
     tier = trial.remote()
-    name = checkpoint_name(step, 0)
+    name = checkpoint_name(step, rank)
     for fname in (TENSORS_FILE, CONTAINER_FILE):
         if tier.exists(f"{name}/{fname}"):
             return tier.path(name, fname), f"{name}/{fname}"
     raise ScenarioFailed(f"{tier.path(name)} holds no tensors file")
 
 
-def _truncate(trial: Trial, step: int) -> str:
-    path, shown = _tensors_file(trial, step)
+def truncate_tensors(trial: Trial, step: int, rank: int = 0) -> str:
+    path, shown = _tensors_file(trial, step, rank)
     fs = trial.remote().fs
     data = fs.cat_file(path)
     fs.pipe_file(path, data[: len(data) // 2])
     return f"{shown} cut to {len(data) // 2} of {len(data)} bytes"
 
 
-def _zero(trial: Trial, step: int) -> str:
-    path, shown = _tensors_file(trial, step)
+def empty_tensors(trial: Trial, step: int, rank: int = 0) -> str:
+    path, shown = _tensors_file(trial, step, rank)
     trial.remote().fs.pipe_file(path, b"")
     return f"{shown} emptied"
 
 
-def _flip(trial: Trial, step: int) -> str:
-    path, shown = _tensors_file(trial, step)
+def flip_tensors_bit(trial: Trial, step: int, rank: int = 0) -> str:
+    path, shown = _tensors_file(trial, step, rank)
     fs = trial.remote().fs
     data = bytearray(fs.cat_file(path))
     data[len(data) // 2] ^= 0x10
@@ -176,7 +176,7 @@ def _every_copy_damaged(h: Harness, name: str, obs: Observation) -> str:
     if not remote:
         raise ScenarioSkipped(f"no checkpoint reached the remote tier by step {BETWEEN_STEP}")
     for step in remote:
-        _flip(trial, step)
+        flip_tensors_bit(trial, step)
     peer = newest_save(fault["saves"], "peer")
     if peer is not None:
         rec = resume(trial, obs, expect=peer)
@@ -376,13 +376,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              "restores the newest save; bit-exact", Needs.SINGLE, _kill_between),
     Scenario("truncated-newest", "newest truncated",
              "skips the newest with its reason, restores the one before; bit-exact",
-             Needs.SINGLE, _damaged_newest(_truncate)),
+             Needs.SINGLE, _damaged_newest(truncate_tensors)),
     Scenario("zero-byte-newest", "newest 0-byte",
              "skips the newest with its reason, restores the one before; bit-exact",
-             Needs.SINGLE, _damaged_newest(_zero)),
+             Needs.SINGLE, _damaged_newest(empty_tensors)),
     Scenario("bitflip-newest", "newest bit-flipped",
              "skips the newest with its reason, restores the one before; bit-exact",
-             Needs.SINGLE, _damaged_newest(_flip)),
+             Needs.SINGLE, _damaged_newest(flip_tensors_bit)),
     Scenario("stale-copy", "stale copy, newer name",
              "never loads the old state as the newer step; restores the real newest valid "
              "state; bit-exact", Needs.SINGLE, _stale_copy),
