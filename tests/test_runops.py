@@ -31,7 +31,8 @@ def policy_file(tmp_path: Path) -> Path:
                     loss: {slope_threshold: 1000.0}}
         observability: {tensorboard: false, decision_log: false}
         retention: {best: {metric: val_loss, mode: min, keep: 1}, auto: false, keep_last: 1}
-        """))
+        validation: {load_test: none}
+        """))  # no load-test worker per run: tests/test_loadcheck.py covers it
     return cfg
 
 
