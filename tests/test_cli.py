@@ -56,8 +56,11 @@ def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
     assert table["failures"].startswith("failures             1 crash(es), 0 hang(s), 0 "
                                         "preemption(s), 0 rollback(s); MTBF")
 
-    again = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
-    assert again.returncode == 0, again.stderr  # a previous demo directory is reused
+    # A previous demo directory is reused, its old run removed first; the shortest demo (20
+    # steps) proves that as well as another 40 would.
+    again = ckptpilot("demo", "--steps", "20", "--run-dir", str(run_dir), "--config", str(cfg))
+    assert again.returncode == 0, again.stderr
+    assert max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir()) == 20
 
 
 @pytest.mark.crash
@@ -86,7 +89,20 @@ def test_the_demo_spikes_rolls_back_and_says_so(tmp_path: Path) -> None:
     assert [(d["step"], d["rollback_to"]) for d in decisions if "rollback_to" in d] == [(38, 30)]
 
 
-@pytest.mark.parametrize(("args", "message"), [
+def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``ckptpilot ARGS`` in this process: (exit status, stdout, stderr); argparse's exit
+    counts as the status it exits with."""
+    capsys.readouterr()
+    try:
+        status = main([str(a) for a in args])
+    except SystemExit as exit_:
+        assert isinstance(exit_.code, int)
+        status = exit_.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+BAD_INPUT = [
     (["demo", "--steps", "0"], "--steps: expected a positive integer, got 0"),
     (["demo", "--steps", "many"], "expected a positive integer, got 'many'"),
     (["demo", "--steps", "5"], "--steps must be at least 20"),
@@ -96,12 +112,31 @@ def test_the_demo_spikes_rolls_back_and_says_so(tmp_path: Path) -> None:
     ([], "the following arguments are required: command"),
     (["validate", "--dry-run", "--rebuild"],
      "argument --rebuild: not allowed with argument --dry-run"),
-])
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    out = ckptpilot(*args, cwd=tmp_path)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr
+]
+
+
+def test_the_command_prints_one_line_and_exits_2_from_its_own_process(tmp_path: Path) -> None:
+    """``python -m ckptpilot`` passes main()'s status and argparse's exit on as the process's
+    exit code; the other bad inputs below run main() in this process (each start of the
+    command imports torch)."""
+    for args, message in (BAD_INPUT[2], BAD_INPUT[5]):
+        out = ckptpilot(*args, cwd=tmp_path)
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert message in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str], args: list[str],
+                                          message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_main(capsys, *args)
+    assert (status, out) == (2, "")
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert message in lines[0]
     assert not (tmp_path / "runs").exists()
 
@@ -134,29 +169,24 @@ def test_the_demo_is_never_silent_for_long(monkeypatch: pytest.MonkeyPatch,
     assert any(line.startswith("[run 1] step     7/40  (still working") for line in lines)
 
 
-def test_demo_refuses_a_foreign_non_empty_run_dir(tmp_path: Path) -> None:
+def test_demo_refuses_a_foreign_non_empty_run_dir(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
-    out = ckptpilot("demo", "--run-dir", str(tmp_path))
-    assert out.returncode == 2
-    assert "is not empty and was not made by the demo" in out.stderr
+    status, _, err = run_main(capsys, "demo", "--run-dir", tmp_path)
+    assert status == 2
+    assert "is not empty and was not made by the demo" in err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
-def test_bad_policy_key_is_named(tmp_path: Path) -> None:
+def test_bad_policy_key_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("scheduler: {min_interval: 50, max_interval: 10}\n")
-    out = ckptpilot("demo", "--config", str(cfg), "--run-dir", str(tmp_path / "r"))
-    assert out.returncode == 2
-    assert "scheduler.min_interval" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+    status, _, err = run_main(capsys, "demo", "--config", cfg, "--run-dir", tmp_path / "r")
+    assert status == 2
+    assert "scheduler.min_interval" in err
+    assert len(err.strip().splitlines()) == 1
 
 
-def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    """``ckptpilot ARGS`` in this process: (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    status = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 @pytest.mark.parametrize("command", [

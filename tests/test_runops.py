@@ -31,7 +31,8 @@ def policy_file(tmp_path: Path) -> Path:
                     loss: {slope_threshold: 1000.0}}
         observability: {tensorboard: false, decision_log: false}
         retention: {best: {metric: val_loss, mode: min, keep: 1}, auto: false, keep_last: 1}
-        """))
+        validation: {load_test: none}
+        """))  # no load-test worker per run: tests/test_loadcheck.py covers it
     return cfg
 
 
@@ -207,14 +208,21 @@ def test_validate_rebuild_recreates_a_lost_database(run: tuple[Path, Path]) -> N
     (["recover", "--step", "999", "--run-dir", "RUN"], "no published checkpoint of step 999"),
     (["prune", "--run-dir", "RUN", "--config", "/nope.yaml"], "/nope.yaml"),
 ])
-def test_bad_input_is_one_line_exit_2(run: tuple[Path, Path], args: list[str],
-                                      message: str) -> None:
+def test_bad_input_is_one_line_exit_2(run: tuple[Path, Path], args: list[str], message: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process (tests/test_cli.py checks that the command's process exits with
+    main()'s status and argparse's)."""
     _, run_dir = run
     before = tree_digest(run_dir)
-    out = cli(*[str(run_dir) if a == "RUN" else a for a in args])
-    assert out.returncode == 2
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert message in out.stderr
+    capsys.readouterr()
+    try:
+        status = main([str(run_dir) if a == "RUN" else a for a in args])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    assert (status, out) == (2, "")
+    assert len(err.strip().splitlines()) == 1, err
+    assert message in err
     assert tree_digest(run_dir) == before
 
 
