@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from ckptpilot.errors import NoCheckpointError
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import execute_plan, plan_retention
-from ckptpilot.storage import metadata
+from ckptpilot.storage import metadata, schema
 from ckptpilot.storage.archive import checkpoint_name
 from ckptpilot.storage.metadata import (
     SCHEMA_VERSION,
@@ -67,7 +67,7 @@ def test_wal_mode_is_on_in_the_file_and_pragmas_on_every_connection(tmp_path: Pa
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         raw.close()
-    with MetadataStore(path) as store, store._read() as conn:
+    with MetadataStore(path) as store, store._db.read() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
@@ -388,8 +388,8 @@ def test_migrations_apply_in_order_in_one_transaction(tmp_path: Path,
         conn.exec_driver_sql("ALTER TABLE checkpoints ADD COLUMN doomed TEXT")
         conn.exec_driver_sql("SELECT * FROM no_such_table")
 
-    monkeypatch.setattr(metadata, "SCHEMA_VERSION", 3)
-    monkeypatch.setattr(metadata, "_MIGRATIONS", (*metadata._MIGRATIONS, add_column, broken))
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, add_column, broken))
     with pytest.raises(sa.exc.OperationalError, match="no_such_table"):
         MetadataStore(path)
     raw = sqlite3.connect(path)
@@ -398,7 +398,7 @@ def test_migrations_apply_in_order_in_one_transaction(tmp_path: Path,
     assert "extra" not in columns and "doomed" not in columns  # all rolled back
     assert _versions(path) == [1]
 
-    monkeypatch.setattr(metadata, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
     with MetadataStore(path) as store:
         assert store.schema_version == 2
         assert store.get(row.id) == row
@@ -413,7 +413,7 @@ def test_the_core_tables_match_the_migrated_schema(tmp_path: Path) -> None:
     MetadataStore(path).close()
     raw = sqlite3.connect(path)
     try:
-        for table in (metadata._checkpoints, metadata._audit, metadata._schema_version):
+        for table in (schema.checkpoints, schema.audit, schema.schema_version):
             info = raw.execute(f"PRAGMA table_info({table.name})").fetchall()
             assert [row[1] for row in info] == [c.name for c in table.columns]
             assert {row[1] for row in info if row[3]} == {
@@ -530,7 +530,7 @@ def test_a_full_disk_is_a_clear_error_and_the_file_stays_usable(tmp_path: Path) 
     path = tmp_path / "metadata.sqlite"
     with MetadataStore(path) as store:
         first = add(store, 1)
-        with store._read() as conn:  # the pooled connection every later call reuses
+        with store._db.read() as conn:  # the pooled connection every later call reuses
             pages = conn.exec_driver_sql("PRAGMA page_count").scalar()
             conn.exec_driver_sql(f"PRAGMA max_page_count={pages}")
         with pytest.raises(metadata.MetadataAccessError,
@@ -767,8 +767,8 @@ def _pruner(path: str, start: Any, results: Any) -> None:
             expired.extend(report.removed)
             skipped += len(report.skipped)
             transactions += 2 * len(report.removed) + len(report.skipped)
-            with store._write() as conn:  # heavier than anything the library issues
-                table = metadata._checkpoints
+            with store._db.write() as conn:  # heavier than anything the library issues
+                table = schema.checkpoints
                 doomed = list(conn.execute(sa.select(table.c.id).where(
                     table.c.status == "expired", table.c.removed_at.is_not(None))).scalars())
                 conn.execute(sa.delete(table).where(table.c.id.in_(doomed)))
