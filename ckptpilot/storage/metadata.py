@@ -77,16 +77,6 @@ __all__ = [
 ]
 
 
-# Allowed status moves. A row found corrupted never becomes valid again (its bytes may be
-# intermittently bad; a new checkpoint must be written), and expired is terminal because its
-# file may already be gone. Same-status moves update fields only.
-_TRANSITIONS: dict[Status, frozenset[Status]] = {
-    Status.PENDING: frozenset(Status),
-    Status.VALID: frozenset({Status.VALID, Status.CORRUPTED, Status.EXPIRED}),
-    Status.CORRUPTED: frozenset({Status.CORRUPTED, Status.EXPIRED}),
-    Status.EXPIRED: frozenset({Status.EXPIRED}),
-}
-
 
 def _default_actor() -> str:
     return f"pid {os.getpid()}@{socket.gethostname()}"
@@ -100,11 +90,11 @@ class MetadataStore:
     releases the connections, after which every call raises ``RuntimeError``.
 
     Row life cycle: the save pipeline calls :meth:`add_pending` once the checkpoint's digest
-    is known, then :meth:`mark` it ``valid`` or ``corrupted`` after validation; the pruning
-    job moves rows to ``expired`` with :meth:`compare_and_mark` and records the removal of
-    their files with :meth:`finish_removal`. Rows are never deleted, so the hash chain and
-    the audit log stay verifiable; the only exception is a key reused after a corrupted or
-    expired row (see :meth:`add_pending`).
+    is known; every later change of status goes through the catalogue (``catalog.Moves``),
+    which hands :meth:`mark`, :meth:`compare_and_mark` and :meth:`finish_removal` the moves
+    its named operation allows — the store applies them, the catalogue owns them. Rows are
+    never deleted, so the hash chain and the audit log stay verifiable; the only exception
+    is a key reused after a corrupted or expired row (see :meth:`add_pending`).
 
     ``read_only=True`` opens an existing file for reading only and creates no file beside it
     (see "Read-only stores" in ``storage.database``); every write method then raises
@@ -204,7 +194,8 @@ class MetadataStore:
                     raise DuplicateCheckpointError(
                         f"{self._path}: run {run_id!r} step {step} rank {rank} tier "
                         f"{tier.value} already has a {existing.status.value} row "
-                        f"(id {existing.id}); mark it corrupted first if its writer died")
+                        f"(id {existing.id}); condemn it first (catalog.Moves.condemn) if its "
+                        "writer died")
                 conn.execute(sa.delete(checkpoints).where(c.id == existing.id))
                 self._insert_audit(conn, "replace", {
                     "replaced_id": existing.id, "run_id": run_id, "step": step, "rank": rank,
@@ -227,9 +218,23 @@ class MetadataStore:
             )).inserted_primary_key[0]
             return self._fetch_or_raise(conn, row_id)
 
-    def _update(self, conn: Connection, row: CheckpointRow, status: Status | str,
-                fields: Mapping[str, Any]) -> CheckpointRow:
-        status = as_enum(Status, status, "status")
+    def _check_move(self, row: CheckpointRow, moves: Mapping[Status, Status],
+                    operation: str) -> Status:
+        """The status ``operation`` leads ``row`` to; :class:`StatusTransitionError` naming
+        the row, its status and the operation's moves when it does not apply to that status."""
+        target = moves.get(row.status)
+        if target is not None:
+            return target
+        takes = ", ".join(f"{a.value} (status unchanged)" if a is b else f"{a.value} → {b.value}"
+                          for a, b in moves.items())
+        raise StatusTransitionError(
+            f"{self._path}: cannot apply '{operation}' to row {row.id} (step {row.step}, rank "
+            f"{row.rank}, {row.tier.value}): it is {row.status.value}, and '{operation}' takes "
+            f"only {takes}")
+
+    def _update(self, conn: Connection, row: CheckpointRow, moves: Mapping[Status, Status],
+                operation: str, fields: Mapping[str, Any]) -> CheckpointRow:
+        status = self._check_move(row, moves, operation)
         # A digest known only once the bytes are out (the peers' stripe) is recorded when the
         # pending row is published; after that it never changes.
         publishing = row.status is Status.PENDING and status is Status.VALID
@@ -238,10 +243,6 @@ class MetadataStore:
             raise TypeError(
                 f"cannot set {', '.join(sorted(unknown))}; settable fields: "
                 f"{', '.join(sorted(MUTABLE_FIELDS))}")
-        if status not in _TRANSITIONS[row.status]:
-            raise StatusTransitionError(
-                f"{self._path}: row {row.id} (step {row.step}, rank {row.rank}, "
-                f"{row.tier.value}) cannot go from {row.status.value} to {status.value}")
         values = dict(fields)
         if "retention_class" in values:
             values["retention_class"] = as_enum(
@@ -250,16 +251,20 @@ class MetadataStore:
             status=status.value, updated_at=time.time(), **values))
         return self._fetch_or_raise(conn, row.id)
 
-    def mark(self, key: RowKey, status: Status | str, **fields: Any) -> CheckpointRow:
-        """Move a row to ``status`` and set any of the mutable ``fields`` in one transaction.
+    def mark(self, key: RowKey, moves: Mapping[Status, Status], *, operation: str,
+             **fields: Any) -> CheckpointRow:
+        """Move a row to the status ``moves`` gives for its present one, and set any of the
+        mutable ``fields``, in one transaction (the catalogue's operation ``operation``).
 
-        Raises ``NoCheckpointError`` for an unknown key, :class:`StatusTransitionError` for a
-        forbidden move, ``TypeError`` for a field that cannot change after insertion.
+        Raises ``NoCheckpointError`` for an unknown key, :class:`StatusTransitionError` when
+        ``moves`` has no move from the row's status, ``TypeError`` for a field that cannot
+        change after insertion.
         """
         with self._db.write() as conn:
-            return self._update(conn, self._fetch_or_raise(conn, key), status, fields)
+            return self._update(conn, self._fetch_or_raise(conn, key), moves, operation,
+                                fields)
 
-    def compare_and_mark(self, key: RowKey, status: Status | str, *,
+    def compare_and_mark(self, key: RowKey, moves: Mapping[Status, Status], *, operation: str,
                          expect: Mapping[str, Any], **fields: Any) -> CheckpointRow | None:
         """:meth:`mark`, but only while the row still has the ``expect`` column values.
 
@@ -271,11 +276,12 @@ class MetadataStore:
             row = self._fetch(conn, key)
             if row is None or any(getattr(row, name) != value for name, value in expect.items()):
                 return None
-            return self._update(conn, row, status, fields)
+            return self._update(conn, row, moves, operation, fields)
 
-    def finish_removal(self, key: RowKey, *, action: str,
-                       details: Mapping[str, Any]) -> CheckpointRow:
-        """Record that an expired row's file is gone: ``removed_at`` and an audit entry.
+    def finish_removal(self, key: RowKey, moves: Mapping[Status, Status], *, operation: str,
+                       action: str, details: Mapping[str, Any]) -> CheckpointRow:
+        """Record that a row's file is gone: ``removed_at`` and an audit entry. ``moves``
+        (the catalogue's) says which statuses that applies to; it changes no status.
 
         Both are written in one transaction, so a row with ``removed_at`` set always has its
         audit entry, and an expired row without it is unfinished work for the next repair.
@@ -283,10 +289,7 @@ class MetadataStore:
         """
         with self._db.write() as conn:
             row = self._fetch_or_raise(conn, key)
-            if row.status is not Status.EXPIRED:
-                raise StatusTransitionError(
-                    f"{self._path}: row {row.id} is {row.status.value}; only an expired row's "
-                    "file may be removed")
+            self._check_move(row, moves, operation)
             if row.removed_at is not None:
                 return row
             now = time.time()
