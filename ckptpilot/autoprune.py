@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
+from ckptpilot.catalog import Moves
 from ckptpilot.errors import CkptPilotError, RemovalRefusedError
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import (
@@ -142,7 +143,7 @@ class AutoPruner:
 
     def _execute(self, plan: RetentionPlan[CheckpointRow]) -> PruneReport:
         remover = self._remover
-        report = execute_plan(plan, self._store, remover.remove,  # type: ignore[arg-type]
+        report = execute_plan(plan, Moves(self._store), remover.remove,  # type: ignore[arg-type]
                               vet=remover.vet)
         _log_refusals(report)
         return report
@@ -198,7 +199,7 @@ class AutoPruner:
 
     def _repair(self) -> None:
         remover = self._remover
-        fixed = repair(self._store, remover.exists, remover.remove,  # type: ignore[arg-type]
+        fixed = repair(Moves(self._store), remover.exists, remover.remove,  # type: ignore[arg-type]
                        vet=remover.vet)  # type: ignore[arg-type]
         _log_refusals(fixed)
         if fixed.removed:

@@ -1,11 +1,21 @@
-"""The catalog of one rank's checkpoints: its rows in the metadata store, and the recover pin.
+"""The catalogue: the rules of a checkpoint row's status, one rank's rows, and the recover pin.
 
-This module owns :class:`Catalog`, every change the save and restore paths make to the rows of
+This module owns every change of a row's status, in the whole package. Each change is a named
+:class:`Operation` with the statuses it applies to and the status each one leads to
+(:data:`OPERATIONS`); :class:`Moves` is the one door through which they reach the metadata
+store, which applies one atomically (the row is read and changed in one write transaction)
+and refuses, naming the row (step, rank, tier), its status and the operation's moves, one the
+row's status does not allow. No other module calls the store's status-changing methods
+(``tests/test_catalog.py`` reads the source to keep it so). The life cycle the operations
+keep: a ``corrupted`` row never becomes ``valid`` again (its bytes may be intermittently bad;
+a new checkpoint must be written), and nothing moves an ``expired`` row (its file may already
+be gone); a save starts ``pending`` (``MetadataStore.add_pending``).
+
+It also owns :class:`Catalog`, every change the save and restore paths make to the rows of
 one (run, rank): a save recorded ``pending``, then published ``valid`` or refused
 ``corrupted``; an old copy superseded when a step is saved again or the peers drop it; the
 continuation after a restored step abandoned; the saves before a loss spike protected from
-pruning; a metric attached; a copy that failed on restore condemned. The rules for *which*
-status a row moves to live here, in one place, instead of beside each tier's write. It also
+pruning; a metric attached; a copy that failed on restore condemned. It also
 owns the recover pin (``ckptpilot recover --step N`` writes it, the next ``restore`` consumes
 it), shared with :mod:`ckptpilot.runops`, and the rank's current continuation: abandoning
 the saves after a restored step first records a fork in the rank's lineage file
@@ -20,18 +30,124 @@ is safe across threads.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptpilot.errors import NoCheckpointError
 from ckptpilot.rundir import lineage_path
 from ckptpilot.storage.lineage import Lineage, read_lineage
 from ckptpilot.storage.lineage import fork as _fork
-from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
+from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, RowKey
 from ckptpilot.vocab import CheckpointKey, RetentionClass, Status, Tier
 
-__all__ = ["RECOVER_PIN", "Catalog", "Pin", "SaveIntent", "write_pin"]
+__all__ = ["OPERATIONS", "RECOVER_PIN", "Catalog", "Moves", "Operation", "Pin", "SaveIntent",
+           "write_pin"]
+
+_NOTE_CHARS = 2000
+"""A note (often an error's text) is cut to this length: a row stays a row, not a log."""
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A named change of a row: each status it applies to, with the status it leads to (the
+    same status: the row's fields change, not its status)."""
+
+    name: str
+    moves: Mapping[Status, Status]
+
+
+_P, _V, _C, _E = Status.PENDING, Status.VALID, Status.CORRUPTED, Status.EXPIRED
+
+PUBLISH = Operation("publish", {_P: _V})
+"""A save verified (and, on the remote tier, published under its name): a recovery point."""
+RECORD_CHECK = Operation("record-check", {_P: _P})
+"""A part read back and verified before its checkpoint is published: still ``pending``."""
+CONDEMN = Operation("condemn", {_P: _C, _V: _C})
+"""A copy that failed verification (after writing, on restore, or by ``validate``)."""
+ABANDON = Operation("abandon", {_P: _C, _V: _E, _C: _E})
+"""A continuation given up (a restore to an earlier step, a step saved again): a checked
+copy expires, one never checked counts as corrupted, a corrupted one expires with its bytes
+set aside."""
+SUPERSEDE = Operation("supersede", {_V: _E})
+"""A tier that keeps one state dropped this copy for a newer one."""
+RECLASSIFY = Operation("reclassify", {_P: _P, _V: _V})
+"""A live row's retention class raised (kept longer), its status unchanged."""
+EXPIRE_REBUILT = Operation("expire-rebuilt", {_P: _E})
+"""A row rebuilt from a checkpoint's own files that the lineage says was abandoned."""
+PRUNE = Operation("prune", {_V: _E, _C: _E})
+"""Retention removes a copy: expired first (committed), its files removed after."""
+RECORD_REMOVAL = Operation("record-removal", {_E: _E})
+"""An expired row's files are gone (``removed_at`` and an audit entry)."""
+
+OPERATIONS = (PUBLISH, RECORD_CHECK, CONDEMN, ABANDON, SUPERSEDE, RECLASSIFY, EXPIRE_REBUILT,
+              PRUNE, RECORD_REMOVAL)
+"""Every change of a row's status the package makes."""
+
+
+class Moves:
+    """The one door through which a row's status changes: each method applies one
+    :class:`Operation` to one row of ``store``, in one write transaction.
+
+    A row whose status the operation does not apply to raises ``StatusTransitionError``
+    naming it; a key without a row raises ``NoCheckpointError``. Safe across threads as the
+    store is. The retention executors take a ``Moves`` as their store (``prune``,
+    ``record_removal``, ``rows``).
+    """
+
+    def __init__(self, store: MetadataStore) -> None:
+        self.store = store
+
+    def _apply(self, operation: Operation, key: RowKey, **fields: Any) -> CheckpointRow:
+        if "note" in fields:
+            fields["note"] = fields["note"][:_NOTE_CHARS]
+        return self.store.mark(key, operation.moves, operation=operation.name, **fields)
+
+    def publish(self, key: RowKey, **fields: Any) -> CheckpointRow:
+        """``pending`` → ``valid``, with what is known once the bytes are verified (its
+        final location; the peers' stripe digest; timings)."""
+        return self._apply(PUBLISH, key, **fields)
+
+    def record_check(self, key: RowKey, *, seconds_validate: float) -> CheckpointRow:
+        return self._apply(RECORD_CHECK, key, seconds_validate=seconds_validate)
+
+    def condemn(self, key: RowKey, note: str, **fields: Any) -> CheckpointRow:
+        """→ ``corrupted``; ``note`` says what failed."""
+        return self._apply(CONDEMN, key, note=note, **fields)
+
+    def abandon(self, key: RowKey, note: str, *, location: str | None = None) -> CheckpointRow:
+        """→ ``expired`` (or ``corrupted`` when never checked); ``location``: where its bytes
+        were set aside."""
+        moved = {} if location is None else {"location": location}
+        return self._apply(ABANDON, key, note=note, **moved)
+
+    def supersede(self, key: RowKey, note: str) -> CheckpointRow:
+        return self._apply(SUPERSEDE, key, note=note)
+
+    def reclassify(self, key: RowKey, retention_class: RetentionClass,
+                   note: str) -> CheckpointRow:
+        return self._apply(RECLASSIFY, key, retention_class=retention_class.value, note=note)
+
+    def expire_rebuilt(self, key: RowKey, note: str) -> CheckpointRow:
+        return self._apply(EXPIRE_REBUILT, key, note=note)
+
+    def prune(self, key: RowKey, *, expect: Mapping[str, Any]) -> CheckpointRow | None:
+        """→ ``expired``, only while the row still has the ``expect`` column values (None,
+        nothing changed, when it is gone or differs: e.g. pinned since the plan was made)."""
+        return self.store.compare_and_mark(key, PRUNE.moves, operation=PRUNE.name,
+                                           expect=expect)
+
+    def record_removal(self, key: RowKey, *, action: str,
+                       details: Mapping[str, Any]) -> CheckpointRow:
+        """An expired row's files are gone; idempotent (``MetadataStore.finish_removal``)."""
+        return self.store.finish_removal(key, RECORD_REMOVAL.moves,
+                                         operation=RECORD_REMOVAL.name, action=action,
+                                         details=details)
+
+    def rows(self, *, status: Status) -> list[CheckpointRow]:
+        """Every row of the file in ``status`` (what ``retention.repair`` walks)."""
+        return self.store.rows(status=status)
 
 RECOVER_PIN = "recover.json"
 """The pin file in a run directory: ``{"step": N, "force": bool}``."""
@@ -66,6 +182,7 @@ class Catalog:
 
     def __init__(self, store: MetadataStore, run_id: str, rank: int, run_dir: Path) -> None:
         self.store = store
+        self.moves = Moves(store)
         self.run_id = run_id
         self.rank = rank
         self._run_dir = run_dir
@@ -104,15 +221,13 @@ class Catalog:
         if row is None or row.status not in (Status.PENDING, Status.VALID):
             return
         note = f"superseded by a new save of step {key.step} after resuming from an earlier step"
-        location = set_aside() or row.location
-        status = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
-        self.store.mark(key, status, location=location, note=note)
+        self.moves.abandon(key, note, location=set_aside() or row.location)
 
     def supersede_older(self, tier: Tier, step: int, why: str) -> None:
         """Expire every valid row of ``tier`` below ``step`` (a tier that keeps one state)."""
         for row in self.store.rows(self.run_id, rank=self.rank, tier=tier):
             if row.step < step and row.status is Status.VALID:
-                self.store.mark(row.key, Status.EXPIRED, note=why)
+                self.moves.supersede(row.key, why)
 
     def abandon_after(self, step: int, *, fork: bool = True) -> None:
         """Restoring ``step`` abandons the continuation saved after it (in any tier);
@@ -125,9 +240,7 @@ class Catalog:
                                 f"pilot restore, rank {self.rank}").current
         for row in self.store.rows(self.run_id, rank=self.rank):
             if row.step > step and row.status in (Status.VALID, Status.PENDING):
-                target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
-                self.store.mark(row.key, target,
-                                note=f"abandoned: the run was restored to step {step}")
+                self.moves.abandon(row.key, f"abandoned: the run was restored to step {step}")
 
     def protect_before(self, suspect: int, window: int) -> None:
         """Class the newest save before ``suspect`` (a rollback point) ``critical``, so that
@@ -148,8 +261,8 @@ class Catalog:
                 promoted = RetentionClass.IMPORTANT
             else:
                 continue
-            self.store.mark(row.key, row.status, retention_class=promoted.value,
-                            note=f"kept: saved before the loss spike of step {suspect + 1}")
+            self.moves.reclassify(row.key, promoted,
+                                  f"kept: saved before the loss spike of step {suspect + 1}")
 
     def set_metric(self, step: int, name: str, value: float) -> None:
         """Attach a metric to the rows of ``step`` in every tier."""
@@ -164,7 +277,7 @@ class Catalog:
         """A copy that failed verification on restore: never tried again, pruned later."""
         row = self.store.get(self.key(step, tier))
         if row is not None and row.status in (Status.VALID, Status.PENDING):
-            self.store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {error}"[:2000])
+            self.moves.condemn(row.key, f"failed on restore: {error}")
 
     def rows(self, tier: Tier) -> list[CheckpointRow]:
         return self.store.rows(self.run_id, rank=self.rank, tier=tier)

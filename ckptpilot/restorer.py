@@ -381,17 +381,16 @@ class Restorer:
         # directory has rows of its own layout, which this restore does not read.
         rows = {step: row for step, row in self._catalog.newest_rows_by_step(Tier.REMOTE).items()
                 if parse_checkpoint_name(_entry(row.location)) is not None}
-        store = self._catalog.store
+        moves = self._catalog.moves
         for row in rows.values():
             if row.status is not Status.PENDING:
                 continue
             name = checkpoint_name(row.step, self._rank)
             if name in published:  # validated, published, killed before the row was marked
-                rows[row.step] = store.mark(row.key, Status.VALID, location=remote.path(name))
+                rows[row.step] = moves.publish(row.key, location=remote.path(name))
             else:
-                rows[row.step] = store.mark(
-                    row.key, Status.CORRUPTED,
-                    note="the writer died before the checkpoint was published")
+                rows[row.step] = moves.condemn(
+                    row.key, "the writer died before the checkpoint was published")
         candidates = []
         for name, step in published.items():
             row = rows.get(step)

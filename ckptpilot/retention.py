@@ -4,8 +4,9 @@ This module owns the retention rules and the order of the removal steps. The pla
 :func:`plan_retention`, is pure: rows, the policy and the time arrive as data and a frozen
 :class:`RetentionPlan` comes back, so every rule is testable without files or a database.
 The executors, :func:`execute_plan` and :func:`repair`, touch the world only through what they
-are handed: a store object with the few methods of :class:`RetentionStore` (the metadata
-store has them) and callbacks that test for and remove a checkpoint's files. This module
+are handed: a store object with the few methods of :class:`RetentionStore` (the
+catalogue's ``catalog.Moves`` has them, as every change of a row's status is the
+catalogue's) and callbacks that test for and remove a checkpoint's files. This module
 imports no storage or tier module; deciding how a checkpoint's files are removed belongs to
 the tier that holds them.
 
@@ -107,17 +108,16 @@ class StoredRow(RetentionRow, Protocol):
 
 
 class RetentionStore(Protocol):
-    """What the executors need from the metadata store (``MetadataStore`` provides it).
+    """What the executors need from the catalogue (``catalog.Moves`` provides it).
 
-    ``compare_and_mark`` changes the row only while it still has the ``expect`` values and
-    returns None otherwise; ``finish_removal`` records in one transaction that an expired
+    ``prune`` marks the row ``expired`` only while it still has the ``expect`` values and
+    returns None otherwise; ``record_removal`` records in one transaction that an expired
     row's file is gone, with an audit entry.
     """
 
-    def compare_and_mark(self, key: int, status: Status, *,
-                         expect: Mapping[str, Any]) -> object | None: ...
+    def prune(self, key: int, *, expect: Mapping[str, Any]) -> object | None: ...
 
-    def finish_removal(self, key: int, *, action: str,
+    def record_removal(self, key: int, *, action: str,
                        details: Mapping[str, Any]) -> object: ...
 
     def rows(self, *, status: Status) -> Sequence[StoredRow]: ...
@@ -418,7 +418,7 @@ def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
             continue
         expect = {"status": _text(row.status), "retention_class": _text(row.retention_class),
                   "location": row.location}
-        if store.compare_and_mark(row.id, Status.EXPIRED, expect=expect) is None:
+        if store.prune(row.id, expect=expect) is None:
             skipped.append((row.id, "changed or gone since the plan was made"))
             continue
         try:
@@ -428,7 +428,7 @@ def execute_plan(plan: RetentionPlan[R], store: RetentionStore,
         except OSError as error:
             failed.append((row.id, f"{type(error).__name__}: {error}"))
             continue
-        store.finish_removal(row.id, action="prune", details=_details(row, reason))
+        store.record_removal(row.id, action="prune", details=_details(row, reason))
         removed.append(row.id)
     return PruneReport(removed=tuple(removed), skipped=tuple(skipped), failed=tuple(failed),
                        refused=tuple(refused))
@@ -465,6 +465,6 @@ def repair(store: RetentionStore, exists: Callable[[StoredRow], bool],
             continue
         details = _details(row, "finishing an interrupted removal")
         details["file_was_present"] = present
-        store.finish_removal(row.id, action="repair", details=details)
+        store.record_removal(row.id, action="repair", details=details)
         removed.append(row.id)
     return PruneReport(removed=tuple(removed), failed=tuple(failed), refused=tuple(refused))

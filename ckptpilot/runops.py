@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ckptpilot.autoprune import remote_remover, sweep_removals
-from ckptpilot.catalog import write_pin
+from ckptpilot.catalog import Moves, write_pin
 from ckptpilot.dcp.format import parse_dcp_name
 from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
 from ckptpilot.dcp.storage import read_manifest as read_dcp_manifest
@@ -216,29 +216,27 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
         for path in _lineage_paths(run, {rk for _, rk, _ in published}):
             fork(path, step, f"ckptpilot recover --step {step}", reset=True)
         abandoned = []
+        moves = Moves(store)
         for s, rank, name in later:
             aside = run.remote.set_aside(name, f"abandoned-by-recover-{step}")
             abandoned.append(aside)
             row = store.get(CheckpointKey(run.run_id, s, rank, Tier.REMOTE))
             if row is not None and row.status is not Status.EXPIRED:
-                target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
-                store.mark(row.key, target, location=run.remote.path(aside),
-                           note=f"abandoned by `ckptpilot recover --step {step}`")
+                moves.abandon(row.key, f"abandoned by `ckptpilot recover --step {step}`",
+                              location=run.remote.path(aside))
         for s, name in later_dcp:
             rows = rows_of(store, run.run_id, s, name)
             aside = run.remote.set_aside(name, f"abandoned-by-recover-{step}")
             abandoned.append(aside)
             for row in rows:
                 if row.status is not Status.EXPIRED:
-                    target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
-                    store.mark(row.key, target, location=run.remote.path(aside),
-                               note=f"abandoned by `ckptpilot recover --step {step}`")
+                    moves.abandon(row.key, f"abandoned by `ckptpilot recover --step {step}`",
+                                  location=run.remote.path(aside))
         for row in store.rows(run.run_id, tier=Tier.PEER):
             # Peer copies of the abandoned continuation: their rows are what makes a restore
             # consider them, and the peers drop them as newer saves supersede them.
             if row.step > step and row.status in (Status.VALID, Status.PENDING):
-                target = Status.CORRUPTED if row.status is Status.PENDING else Status.EXPIRED
-                store.mark(row.key, target, note=f"abandoned by `ckptpilot recover --step {step}`")
+                moves.abandon(row.key, f"abandoned by `ckptpilot recover --step {step}`")
                 abandoned.append(row.location)
         if force:
             write_pin(run.dir, step, force=True)
@@ -308,7 +306,7 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
     with run.store(read_only=dry_run) as store:
         remover = remote_remover(run.remote)
         if not dry_run:
-            fixed = repair(store, remover.exists, remover.remove,  # type: ignore[arg-type]
+            fixed = repair(Moves(store), remover.exists, remover.remove,  # type: ignore[arg-type]
                            vet=remover.vet)  # type: ignore[arg-type]
             refused += fixed.refused
             if fixed.removed:
@@ -331,7 +329,7 @@ def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
             print(f"dry run: would remove {len(plan.remove)} checkpoint(s), "
                   f"{_size(freed)}; nothing changed", file=out)
             return 0
-        report = execute_plan(plan, store, remover.remove,  # type: ignore[arg-type]
+        report = execute_plan(plan, Moves(store), remover.remove,  # type: ignore[arg-type]
                               vet=remover.vet)  # type: ignore[arg-type]
         refused += report.refused
     gone = set(report.removed)
@@ -424,7 +422,7 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
                     unknown.append(f"{name}: {e}")
                     why = None
                 if why is not None:
-                    row = store.mark(row.key, Status.EXPIRED, note=f"abandoned: {why}")
+                    row = Moves(store).expire_rebuilt(row.key, f"abandoned: {why}")
                     reason = f"{reason}; abandoned, row expired: {why}"
             _settle(store, row, result_ok, reason, dry_run, would_mark)
             bad += not result_ok
@@ -471,9 +469,9 @@ def _settle(store: MetadataStore, row: CheckpointRow | None, ok: bool, reason: s
     if target is not None and dry_run:
         would_mark[target] += 1
     elif target is Status.VALID:
-        store.mark(row.key, target)
+        Moves(store).publish(row.key)
     elif target is Status.CORRUPTED:
-        store.mark(row.key, target, note=f"validate: {reason}")
+        Moves(store).condemn(row.key, f"validate: {reason}")
 
 
 def _row_from_manifest(store: MetadataStore, run: Run, manifest: dict[str, object],

@@ -536,10 +536,10 @@ class ShardedState:
         """(first rank) Every rank's row of the step: the checkpoint is one."""
         if self._rank != 0:
             return
-        store, run_id = self._catalog.store, self._catalog.run_id
-        for row in rows_of(store, run_id, step, dcp_name(step)):
+        catalog = self._catalog
+        for row in rows_of(catalog.store, catalog.run_id, step, dcp_name(step)):
             if row.status in (Status.VALID, Status.PENDING):
-                store.mark(row.key, Status.CORRUPTED, note=f"failed on restore: {reason}"[:2000])
+                catalog.moves.condemn(row.key, f"failed on restore: {reason}")
 
     def _plan_load(self, target: int) -> _Load:
         """(local) The host buffers ``dcp.load`` of ``target`` fills: the live model's and
@@ -694,13 +694,12 @@ class ShardedState:
                         "trusted across a world-size change", step, saved_world,
                         self._world_size, read.location)
         if self._rank == 0:  # the rows of saved ranks this run does not have, abandoned too
-            store = self._catalog.store
-            for row in store.rows(self._catalog.run_id, tier=Tier.REMOTE,
-                                  status=(Status.VALID, Status.PENDING)):
+            catalog = self._catalog
+            for row in catalog.store.rows(catalog.run_id, tier=Tier.REMOTE,
+                                          status=(Status.VALID, Status.PENDING)):
                 if row.step > step and row.rank >= self._world_size:
-                    store.mark(row.key, Status.EXPIRED if row.status is Status.VALID
-                               else Status.CORRUPTED,
-                               note=f"abandoned: the run was restored to step {step}")
+                    catalog.moves.abandon(row.key,
+                                          f"abandoned: the run was restored to step {step}")
 
     def _settle_killed_saves(self) -> None:
         """(first rank) What a killed save left: its staging directory is removed; the rows
@@ -722,15 +721,16 @@ class ShardedState:
                    if is_dcp_entry(entry_of(r.location))]
         for step in sorted({r.step for r in pending}):
             rows = [r for r in pending if r.step == step]
-            note, status, location = ("the writer died before the checkpoint was published",
-                                      Status.CORRUPTED, None)
+            note, location = "the writer died before the checkpoint was published", None
             if step in published:
                 try:
                     verify_dcp(remote, published[step], ranks={r.rank: r.sha256 for r in rows})
-                    note, status = "published, then the writer died: verified", Status.VALID
+                    note = "published, then the writer died: verified"
                     location = remote.path(published[step])
                 except (CheckpointFormatError, OSError) as e:
                     note = f"published, then the writer died; does not verify: {e}"
             for row in rows:
-                store.mark(row.key, status, note=note[:2000],
-                           **({} if location is None else {"location": location}))
+                if location is None:
+                    self._catalog.moves.condemn(row.key, note)
+                else:
+                    self._catalog.moves.publish(row.key, note=note, location=location)

@@ -82,7 +82,7 @@ def _speed(other: object) -> int:
 
 
 class Status(str, Enum):
-    """Life cycle of a checkpoint row; ``storage.metadata`` owns the allowed moves."""
+    """Life cycle of a checkpoint row; ``catalog`` owns the allowed moves."""
 
     PENDING = "pending"
     VALID = "valid"

@@ -397,7 +397,7 @@ class CheckpointWriter:
         try:
             result = self._peers.put(snapshot.step, snapshot.arena.numpy(), meta, base=base)
         except PEER_ERRORS as e:
-            catalog.store.mark(key, Status.CORRUPTED, note=f"peer put failed: {e}"[:2000])
+            catalog.moves.condemn(key, f"peer put failed: {e}")
             log.warning("the peer tier could not take the %s of step %d (%s)%s", intent.level,
                         snapshot.step, e, "; writing it to the remote tier instead"
                         if plan.fallback is not None else "")
@@ -409,11 +409,11 @@ class CheckpointWriter:
         location = f"peer:{self._peers.run_id}/{snapshot.step}@{','.join(result.endpoints)}"
         # The row's digest covers the meta and the digests this process computed as it sent:
         # a restore proves the peers' copy against it, never against what the peers say.
-        catalog.store.mark(key, Status.VALID, location=location,
-                           sha256=stripe_record(meta, result.stripe),
-                           bytes_encoded=result.bytes_sent,
-                           codec=_peer_codec(result.encodings),
-                           seconds_write=result.seconds)
+        catalog.moves.publish(key, location=location,
+                              sha256=stripe_record(meta, result.stripe),
+                              bytes_encoded=result.bytes_sent,
+                              codec=_peer_codec(result.encodings),
+                              seconds_write=result.seconds)
         seconds = time.perf_counter() - t0
         log.info("saved %s step %d to %d peers: %.1f MB sent (%d delta, %d full shards) for "
                  "%.1f MB, stall %.1f ms, %.2f s (%s)", intent.level, snapshot.step,
@@ -465,12 +465,12 @@ class CheckpointWriter:
         if check.ok:
             publish_organ(remote, staged)
             location, status = remote.path(name), Status.VALID
-            catalog.store.mark(key, status, location=location, seconds_validate=check.seconds)
+            catalog.moves.publish(key, location=location, seconds_validate=check.seconds)
         else:
             location = remote.path(remote.set_aside(staged.staging, "corrupted", label=name))
             status = Status.CORRUPTED
-            catalog.store.mark(key, status, location=location, seconds_validate=check.seconds,
-                               note=check.reason)
+            catalog.moves.condemn(key, check.reason, location=location,
+                                  seconds_validate=check.seconds)
             log.error("ALERT: the checkpoint of step %d failed validation and is kept as "
                       "%s: %s. The previous valid checkpoint stays the recovery point.",
                       snapshot.step, location, check.reason)

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from ckptpilot.catalog import Moves
 from ckptpilot.errors import NoCheckpointError
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import execute_plan, plan_retention
-from ckptpilot.storage import metadata
+from ckptpilot.storage import metadata, schema
 from ckptpilot.storage.archive import checkpoint_name
 from ckptpilot.storage.metadata import (
     SCHEMA_VERSION,
@@ -67,7 +68,7 @@ def test_wal_mode_is_on_in_the_file_and_pragmas_on_every_connection(tmp_path: Pa
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         raw.close()
-    with MetadataStore(path) as store, store._read() as conn:
+    with MetadataStore(path) as store, store._db.read() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
@@ -116,9 +117,9 @@ def test_every_field_round_trips(store: MetadataStore) -> None:
     assert (row.reason, row.note, row.removed_at) == ("interval", "first pulse", None)
     assert row.created_at == row.updated_at and abs(row.created_at - time.time()) < 60
 
-    marked = store.mark(row.key, Status.VALID, seconds_validate=0.3, bytes_encoded=1000,
-                        codec="byteplane", location="peer/moved", score=0.7,
-                        retention_class="critical", reason="trigger", note="checked")
+    marked = Moves(store).publish(row.key, seconds_validate=0.3, bytes_encoded=1000,
+                                  codec="byteplane", location="peer/moved", score=0.7,
+                                  retention_class="critical", reason="trigger", note="checked")
     assert marked.status is Status.VALID and marked.seconds_validate == 0.3
     assert (marked.bytes_encoded, marked.codec, marked.location) == (1000, "byteplane",
                                                                       "peer/moved")
@@ -151,66 +152,64 @@ def test_add_pending_validates_its_input(store: MetadataStore) -> None:
     assert store.rows() == []
 
 
-ALLOWED = {
-    (Status.PENDING, Status.VALID), (Status.PENDING, Status.CORRUPTED),
-    (Status.PENDING, Status.EXPIRED), (Status.PENDING, Status.PENDING),
-    (Status.VALID, Status.VALID), (Status.VALID, Status.CORRUPTED),
-    (Status.VALID, Status.EXPIRED), (Status.CORRUPTED, Status.CORRUPTED),
-    (Status.CORRUPTED, Status.EXPIRED), (Status.EXPIRED, Status.EXPIRED),
-}
+PUBLISH = {Status.PENDING: Status.VALID}
+EXPIRE = {Status.VALID: Status.EXPIRED, Status.CORRUPTED: Status.EXPIRED}
 
 
-@pytest.mark.parametrize("source", list(Status))
-@pytest.mark.parametrize("target", list(Status))
-def test_status_transitions(store: MetadataStore, source: Status, target: Status) -> None:
+def test_mark_makes_only_the_moves_it_is_given_in_one_step(store: MetadataStore) -> None:
+    """The store applies the catalogue's moves; it holds no rule of its own (the operations
+    and their rules: tests/test_catalog.py)."""
     row = add(store, 1)
-    path = {Status.PENDING: [], Status.VALID: [Status.VALID],
-            Status.CORRUPTED: [Status.CORRUPTED], Status.EXPIRED: [Status.EXPIRED]}
-    for status in path[source]:
-        row = store.mark(row.id, status)
-    assert row.status is source
-    if (source, target) in ALLOWED:
-        assert store.mark(row.id, target.value).status is target
-    else:
-        with pytest.raises(StatusTransitionError,
-                           match=f"cannot go from {source.value} to {target.value}"):
-            store.mark(row.id, target)
-        assert store.get(row.id) == row
+    published = store.mark(row.id, PUBLISH, operation="publish", note="checked")
+    assert (published.status, published.note) == (Status.VALID, "checked")
+    with pytest.raises(StatusTransitionError,
+                       match=r"cannot apply 'publish' to row \d+ \(step 1, rank 0, remote\): it "
+                             r"is valid, and 'publish' takes only pending → valid$"):
+        store.mark(row.id, PUBLISH, operation="publish", note="again")
+    assert store.get(row.id) == published
+    same = store.mark(row.id, {Status.VALID: Status.VALID}, operation="reclassify",
+                      retention_class="critical")
+    assert (same.status, same.retention_class) == (Status.VALID, RetentionClass.CRITICAL)
 
 
-def test_mark_rejects_unknown_rows_fields_and_statuses(store: MetadataStore) -> None:
+def test_mark_rejects_unknown_rows_and_fields(store: MetadataStore) -> None:
     row = add(store, 1)
+    moves = Moves(store)
     with pytest.raises(NoCheckpointError, match="no checkpoint row 99"):
-        store.mark(99, Status.VALID)
+        moves.publish(99)
     with pytest.raises(TypeError, match="cannot set step;"):
-        store.mark(row.id, Status.VALID, sha256=sha("x"), step=3)
+        moves.publish(row.id, sha256=sha("x"), step=3)
     with pytest.raises(TypeError, match="cannot set sha256;"):  # only publishing sets it
-        store.mark(row.id, Status.CORRUPTED, sha256=sha("x"))
-    with pytest.raises(ValueError, match="status: 'ok' is not one of"):
-        store.mark(row.id, "ok")
+        moves.condemn(row.id, "bad", sha256=sha("x"))
     with pytest.raises(TypeError, match="expected a row id or"):
-        store.mark(("run", 1), Status.VALID)  # type: ignore[arg-type]
+        moves.publish(("run", 1))  # type: ignore[arg-type]
     assert store.get(row.id) == row
 
 
 def test_compare_and_mark_only_changes_rows_that_still_match(store: MetadataStore) -> None:
-    row = store.mark(add(store, 1).id, Status.VALID)
-    assert store.compare_and_mark(row.id, "expired", expect={"status": "corrupted"}) is None
+    row = Moves(store).publish(add(store, 1).id)
+    assert store.compare_and_mark(row.id, EXPIRE, operation="prune",
+                                  expect={"status": "corrupted"}) is None
     assert store.get(row.id) == row
-    assert store.compare_and_mark(99, "expired", expect={"status": "valid"}) is None
-    done = store.compare_and_mark(row.id, Status.EXPIRED,
+    assert store.compare_and_mark(99, EXPIRE, operation="prune",
+                                  expect={"status": "valid"}) is None
+    done = store.compare_and_mark(row.id, EXPIRE, operation="prune",
                                   expect={"status": Status.VALID, "retention_class": "routine"})
     assert done is not None and done.status is Status.EXPIRED
 
 
 def test_finish_removal_records_once_and_only_for_expired_rows(store: MetadataStore) -> None:
-    row = store.mark(add(store, 1).id, Status.VALID)
-    with pytest.raises(StatusTransitionError, match="only an expired row's file"):
-        store.finish_removal(row.id, action="prune", details={})
-    store.mark(row.id, Status.EXPIRED)
-    finished = store.finish_removal(row.id, action="prune", details={"reason": "routine"})
-    assert finished.removed_at is not None
-    assert store.finish_removal(row.id, action="repair", details={}) == finished
+    moves = Moves(store)
+    row = moves.publish(add(store, 1).id)
+    with pytest.raises(StatusTransitionError,
+                       match=r"cannot apply 'record-removal' to row \d+ \(step 1, rank 0, "
+                             r"remote\): it is valid, and 'record-removal' takes only expired "
+                             r"\(status unchanged\)"):
+        moves.record_removal(row.id, action="prune", details={})
+    moves.supersede(row.id, "newer copy")
+    finished = moves.record_removal(row.id, action="prune", details={"reason": "routine"})
+    assert finished.removed_at is not None and finished.status is Status.EXPIRED
+    assert moves.record_removal(row.id, action="repair", details={}) == finished
     [entry] = store.audit_log()
     assert (entry.action, entry.details) == ("prune", {"row_id": row.id, "reason": "routine"})
 
@@ -220,10 +219,10 @@ def test_duplicate_live_keys_are_refused_and_dead_keys_reused(store: MetadataSto
     with pytest.raises(DuplicateCheckpointError,
                        match="step 5 rank 0 tier remote already has a pending row"):
         add(store, 5)
-    store.mark(pending.id, Status.VALID)
+    Moves(store).publish(pending.id)
     with pytest.raises(DuplicateCheckpointError, match="already has a valid row"):
         add(store, 5)
-    store.mark(pending.id, Status.CORRUPTED)
+    Moves(store).condemn(pending.id, "rotten")
     again = add(store, 5, note="saved again after resuming")
     assert again.id != pending.id and store.get(pending.id) is None
     assert [r.id for r in store.rows()] == [again.id]
@@ -238,8 +237,8 @@ def test_rows_filters_and_orders_newest_first(store: MetadataStore) -> None:
         add(store, 20, rank=0, tier="memory"), add(store, 20, rank=1, tier="memory"),
         add(store, 20, rank=0, tier="remote"), add(store, 40, run_id="other", tier="memory"),
     ]
-    store.mark(made[1].id, Status.VALID)
-    store.mark(made[4].id, Status.CORRUPTED)
+    Moves(store).publish(made[1].id)
+    Moves(store).condemn(made[4].id, "rotten")
     steps = [(r.step, r.id) for r in store.rows()]
     assert steps == sorted(steps, reverse=True) and len(steps) == 6
     assert [r.step for r in store.rows(run_id="run", rank=0, tier="memory")] == [30, 20, 10]
@@ -260,7 +259,10 @@ def test_newest_valid_prefers_the_newest_step_then_the_faster_tier(
                               (150, "memory", "pulse"), (150, "peer", "pulse"),
                               (160, "memory", "heartbeat"), (170, "memory", "pulse")]:
         row = add(store, step, tier=tier, level=level)
-        store.mark(row.id, Status.VALID if step != 170 else Status.CORRUPTED)
+        if step != 170:
+            Moves(store).publish(row.id)
+        else:
+            Moves(store).condemn(row.id, "rotten")
     add(store, 180, tier="memory")  # pending
     best = store.newest_valid("run", 0)
     assert best is not None and (best.step, best.tier) == (150, Tier.MEMORY)
@@ -275,7 +277,7 @@ def test_pin_milestone_pins_every_live_row_of_the_step(store: MetadataStore) -> 
     rows = [add(store, 200, rank=rank, tier=tier, retention_class="important")
             for rank in (0, 1) for tier in ("memory", "remote")]
     gone = add(store, 200, rank=2)
-    store.mark(gone.id, Status.EXPIRED)
+    Moves(store).abandon(Moves(store).publish(gone.id).id, "abandoned")
     other_run = add(store, 200, run_id="other")
     pinned = store.pin_milestone(200, "best eval so far", run_id="run")
     assert sorted(r.id for r in pinned) == sorted(r.id for r in rows)
@@ -388,8 +390,8 @@ def test_migrations_apply_in_order_in_one_transaction(tmp_path: Path,
         conn.exec_driver_sql("ALTER TABLE checkpoints ADD COLUMN doomed TEXT")
         conn.exec_driver_sql("SELECT * FROM no_such_table")
 
-    monkeypatch.setattr(metadata, "SCHEMA_VERSION", 3)
-    monkeypatch.setattr(metadata, "_MIGRATIONS", (*metadata._MIGRATIONS, add_column, broken))
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, add_column, broken))
     with pytest.raises(sa.exc.OperationalError, match="no_such_table"):
         MetadataStore(path)
     raw = sqlite3.connect(path)
@@ -398,7 +400,7 @@ def test_migrations_apply_in_order_in_one_transaction(tmp_path: Path,
     assert "extra" not in columns and "doomed" not in columns  # all rolled back
     assert _versions(path) == [1]
 
-    monkeypatch.setattr(metadata, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
     with MetadataStore(path) as store:
         assert store.schema_version == 2
         assert store.get(row.id) == row
@@ -413,7 +415,7 @@ def test_the_core_tables_match_the_migrated_schema(tmp_path: Path) -> None:
     MetadataStore(path).close()
     raw = sqlite3.connect(path)
     try:
-        for table in (metadata._checkpoints, metadata._audit, metadata._schema_version):
+        for table in (schema.checkpoints, schema.audit, schema.schema_version):
             info = raw.execute(f"PRAGMA table_info({table.name})").fetchall()
             assert [row[1] for row in info] == [c.name for c in table.columns]
             assert {row[1] for row in info if row[3]} == {
@@ -530,7 +532,7 @@ def test_a_full_disk_is_a_clear_error_and_the_file_stays_usable(tmp_path: Path) 
     path = tmp_path / "metadata.sqlite"
     with MetadataStore(path) as store:
         first = add(store, 1)
-        with store._read() as conn:  # the pooled connection every later call reuses
+        with store._db.read() as conn:  # the pooled connection every later call reuses
             pages = conn.exec_driver_sql("PRAGMA page_count").scalar()
             conn.exec_driver_sql(f"PRAGMA max_page_count={pages}")
         with pytest.raises(metadata.MetadataAccessError,
@@ -576,7 +578,7 @@ def test_a_read_only_store_reads_creates_nothing_and_refuses_every_write(
         assert store.run_ids() == {"run": 1}
         writes = {
             "add_pending": lambda: add(store, 2),
-            "mark": lambda: store.mark(row.id, Status.VALID),
+            "mark": lambda: Moves(store).publish(row.id),
             "set_metric": lambda: store.set_metric(row.id, "loss", 1.0),
             "pin_milestone": lambda: store.pin_milestone(1, "keep"),
             "audit": lambda: store.audit("prune", {}),
@@ -639,7 +641,7 @@ def test_adopt_run_id_rekeys_rows_and_audit_in_one_audited_step(store: MetadataS
     for step in (1, 2, 3):
         add(store, step, run_id="legacy-folder")
     add(store, 1, run_id="legacy-folder", rank=1)
-    store.mark(("legacy-folder", 3, 0, "remote"), Status.CORRUPTED)
+    Moves(store).condemn(("legacy-folder", 3, 0, "remote"), "rotten")
     add(store, 3, run_id="legacy-folder")  # replaces the corrupted row: a "replace" audit
     store.pin_milestone(2, "keep", run_id="legacy-folder")
     add(store, 1, run_id="someone-else")
@@ -739,7 +741,7 @@ def _writer(path: str, files: str, rank: int, seconds: float, start: Any,
                 sha256=hashlib.sha256(payload).hexdigest(), retention_class="routine",
                 base_step=None if is_organ else organ_step)
             inserted.append(row.id)
-            store.mark(row.id, Status.VALID, bytes_raw=len(payload), seconds_write=0.001)
+            Moves(store).publish(row.id, bytes_raw=len(payload), seconds_write=0.001)
             store.set_metric(row.id, "val_loss", 1.0 / step)
             updates += 2
             organ_step = step if is_organ else organ_step
@@ -766,12 +768,12 @@ def _pruner(path: str, seconds: float, start: Any, results: Any) -> None:
         try:
             live = store.rows(run_id=RUN, status=("pending", "valid", "corrupted"))
             plan = plan_retention(live, policy, now=time.time())
-            report = execute_plan(plan, store, lambda row: Path(row.location).unlink())
+            report = execute_plan(plan, Moves(store), lambda row: Path(row.location).unlink())
             expired.extend(report.removed)
             skipped += len(report.skipped)
             transactions += 2 * len(report.removed) + len(report.skipped)
-            with store._write() as conn:  # heavier than anything the library issues
-                table = metadata._checkpoints
+            with store._db.write() as conn:  # heavier than anything the library issues
+                table = schema.checkpoints
                 doomed = list(conn.execute(sa.select(table.c.id).where(
                     table.c.status == "expired", table.c.removed_at.is_not(None))).scalars())
                 conn.execute(sa.delete(table).where(table.c.id.in_(doomed)))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckptpilot import retention
+from ckptpilot.catalog import Moves
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import BestPolicy, RetentionPlan, execute_plan, plan_retention, repair
 from ckptpilot.storage.archive import checkpoint_name
@@ -252,7 +253,7 @@ def populate(store: MetadataStore, root: Path, steps: list[int]) -> list[Checkpo
             run_id="run", step=step, rank=0, level="pulse", tier="remote",
             location=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
             retention_class="routine")
-        made.append(store.mark(row.id, Status.VALID))
+        made.append(Moves(store).publish(row.id))
     return made
 
 
@@ -286,7 +287,7 @@ def test_execute_plan_expires_rows_removes_files_and_audits(tmp_path: Path,
     with MetadataStore(tmp_path / "metadata.db") as store:
         made = populate(store, files, [10, 20, 30, 40])
         plan = plan_retention(store.rows(), POLICY)
-        report = execute_plan(plan, store, unlink)
+        report = execute_plan(plan, Moves(store), unlink)
         assert sorted(report.removed) == [r.id for r in made[:3]]
         assert report.skipped == report.failed == ()
         assert [p.name for p in files.iterdir()] == [checkpoint_name(40, 0)]
@@ -305,7 +306,7 @@ def test_rows_changed_after_planning_are_skipped(tmp_path: Path, files: Path) ->
         made = populate(store, files, [10, 20, 30])
         plan = plan_retention(store.rows(), POLICY)
         store.pin_milestone(10, "the user pinned it meanwhile")
-        report = execute_plan(plan, store, unlink)
+        report = execute_plan(plan, Moves(store), unlink)
         assert report.skipped == ((made[0].id, "changed or gone since the plan was made"),)
         assert report.removed == (made[1].id,)
         assert store.get(made[0].id).status is Status.VALID  # type: ignore[union-attr]
@@ -323,7 +324,7 @@ def test_failed_removals_are_left_for_repair_and_missing_files_count_as_removed(
                 raise PermissionError(13, "Permission denied", row.location)
             unlink(row)
 
-        report = execute_plan(plan_retention(store.rows(), POLICY), store, flaky)
+        report = execute_plan(plan_retention(store.rows(), POLICY), Moves(store), flaky)
         assert sorted(report.removed) == [made[0].id, made[2].id]
         assert report.failed == ((made[1].id, f"PermissionError: [Errno 13] Permission "
                                                f"denied: '{made[1].location}'"),)
@@ -331,11 +332,11 @@ def test_failed_removals_are_left_for_repair_and_missing_files_count_as_removed(
         assert stuck is not None and stuck.status is Status.EXPIRED and stuck.removed_at is None
         assert Path(stuck.location).exists()
 
-        fixed = repair(store, exists, unlink)
+        fixed = repair(Moves(store), exists, unlink)
         assert fixed.removed == (made[1].id,) and fixed.failed == ()
         [entry] = store.audit_log("repair")
         assert entry.details["file_was_present"] is True and entry.details["step"] == 20
-        assert repair(store, exists, unlink) == retention.PruneReport()  # idempotent
+        assert repair(Moves(store), exists, unlink) == retention.PruneReport()  # idempotent
         assert_consistent(store, files)
 
 
@@ -353,7 +354,7 @@ def _prune_and_die(db: str, kill_before_remove: bool) -> None:
         if calls == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    execute_plan(plan_retention(store.rows(), POLICY), store, remove_then_die)
+    execute_plan(plan_retention(store.rows(), POLICY), Moves(store), remove_then_die)
 
 
 @pytest.mark.crash
@@ -384,13 +385,13 @@ def test_sigkill_during_a_prune_is_repaired_on_the_next_run(
         for row in store.rows(status=Status.VALID):  # never a valid row without its file
             assert Path(row.location).exists()
 
-        fixed = repair(store, exists, unlink)
+        fixed = repair(Moves(store), exists, unlink)
         assert fixed.removed == (second.id,)
         [entry] = store.audit_log("repair")
         assert entry.details["file_was_present"] is kill_before_remove
         assert_consistent(store, files)
 
-        report = execute_plan(plan_retention(store.rows(), POLICY), store, unlink)
+        report = execute_plan(plan_retention(store.rows(), POLICY), Moves(store), unlink)
         assert sorted(report.removed) == sorted(order[2:])
         assert {r.id for r in store.rows(status=Status.EXPIRED)} == set(order)
         assert all(r.removed_at is not None for r in store.rows(status=Status.EXPIRED))

@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptpilot.catalog import Catalog, SaveIntent
+from ckptpilot.catalog import Catalog, Moves, SaveIntent
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.dcp.format import (
     DCP_METADATA_FILE,
@@ -87,7 +87,7 @@ from ckptpilot.policy import Policy
 from ckptpilot.rundir import metadata_path, run_identity
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote import HashingWriter
-from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Status, Tier
+from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Tier
 
 __all__ = ["Writer"]
 
@@ -286,9 +286,10 @@ class Writer(StorageWriter):
             tier.write_file(f"{self.name}/{MANIFEST_FILE}", [commit])
         run_id = run_identity(self._run_dir)
         with MetadataStore(metadata_path(self._run_dir)) as store:
+            moves = Moves(store)
             for rank in range(len(results)):
-                store.mark(CheckpointKey(run_id, self.step, rank, Tier.REMOTE), Status.VALID,
-                           location=tier.path(self.name))
+                moves.publish(CheckpointKey(run_id, self.step, rank, Tier.REMOTE),
+                              location=tier.path(self.name))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
@@ -362,7 +363,7 @@ class Writer(StorageWriter):
                 for index, rec in sorted(items.items(), key=lambda kv: kv[1].at):
                     read_item(f, rec, index, location)
         except CheckpointFormatError as e:
-            store.mark(key, Status.CORRUPTED, note=f"read back after writing: {e}"[:2000],
-                       seconds_validate=time.perf_counter() - t0)
+            Moves(store).condemn(key, f"read back after writing: {e}",
+                                 seconds_validate=time.perf_counter() - t0)
             raise
-        store.mark(key, Status.PENDING, seconds_validate=time.perf_counter() - t0)
+        Moves(store).record_check(key, seconds_validate=time.perf_counter() - t0)

@@ -1,7 +1,9 @@
 """What ckptpilot persists as files: one on-disk format per module, with its version and damage.
 
 - ``archive.py``: the organ archive, a self-contained checkpoint directory on the remote tier;
-- ``metadata.py``: the SQLite metadata store (checkpoint rows, hash chain, audit trail);
+- ``metadata.py``: the SQLite metadata store (checkpoint rows, hash chain, audit trail), on
+  ``database.py`` (the file, its locking and errors), ``schema.py`` (tables, migrations) and
+  ``rows.py`` (the frozen rows it hands out);
 - ``heartbeat.py``: the level-0 heartbeat ring, a memory-mapped file in the run directory;
 - ``ledger.py``: the failure ledger, JSON lines in the run directory, from which the MTBF comes;
 - ``lineage.py``: each rank's fork record (JSON lines in the run directory), which says which
