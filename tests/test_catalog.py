@@ -23,7 +23,9 @@ STATUS_CHANGERS = {"mark", "compare_and_mark", "finish_removal"}
 DOORS = {"ckptpilot/catalog.py", "ckptpilot/storage/metadata.py"}
 """The catalogue, which calls them, and the store, which defines them."""
 RAW_SQL = {"ckptpilot/fit/attacks.py": "`ckptpilot fit` tampers with a scratch run's database "
-                                        "on purpose, as an attacker would"}
+                                        "on purpose, as an attacker would",
+           "ckptpilot/fit/incidents.py": "the torchrun campaign forges a row's digest in a "
+                                         "scratch run's database on purpose"}
 """Modules that change rows with SQL of their own, each with why."""
 
 

@@ -21,7 +21,8 @@ import safetensors.torch
 import torch
 
 from ckptpilot.cli import main
-from ckptpilot.fit.campaign import QUIET_STEP, Damage, agreed_step
+from ckptpilot.fit.campaign import agreed_step
+from ckptpilot.fit.incident import QUIET_STEP, Damage
 from ckptpilot.fit.incidents import INCIDENTS
 
 SUBSET = ("rank-killed", "kill-write", "bitflip-newest")

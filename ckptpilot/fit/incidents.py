@@ -16,9 +16,9 @@ import sqlite3
 from collections.abc import Callable
 
 from ckptpilot.fit.attacks import holders_of
-from ckptpilot.fit.campaign import FAULT_STEP, Act, Damage, Expect, Incident, Scene
 from ckptpilot.fit.checks import Needs
 from ckptpilot.fit.harness import Trial
+from ckptpilot.fit.incident import FAULT_STEP, Act, Damage, Expect, Incident, Scene
 from ckptpilot.fit.scenarios import empty_tensors, flip_tensors_bit, truncate_tensors
 from ckptpilot.rundir import metadata_path
 from ckptpilot.storage.archive import MANIFEST_FILE, checkpoint_name
