@@ -37,6 +37,7 @@ from statistics import median
 
 import numpy as np
 import torch
+from e2e import drop_cached
 from scratch import DEFAULT_DIR, scratch_dir
 from stall import Layout, State, assert_same, build_state, fresh_state, state_nbytes
 
@@ -66,16 +67,6 @@ def git_head() -> str:
 def cpu() -> tuple[float, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime, r.ru_stime
-
-
-def drop_cached(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 Measured = tuple[float, float, float]  # wall, user, system seconds
