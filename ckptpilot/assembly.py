@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,8 +35,7 @@ from ckptpilot.restorer import Restorer
 from ckptpilot.rollback import RollbackGuard
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
-from ckptpilot.sharded import ShardedState, holds_dtensors
-from ckptpilot.state import HostBufferPool, TrainingComponents
+from ckptpilot.state import HostBufferPool, TrainingComponents, holds_dtensors
 from ckptpilot.steps import StepDecider
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
 from ckptpilot.storage.ledger import FailureLedger
@@ -47,6 +47,9 @@ from ckptpilot.tiers.remote import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.watchdog import HangWatchdog
 from ckptpilot.writer import CheckpointWriter
+
+if TYPE_CHECKING:
+    from ckptpilot.sharded import ShardedState
 
 __all__ = ["STOP_ORDER", "RunParts", "open_parts"]
 
@@ -182,9 +185,13 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         agreement = RankAgreement(rank, world_size)
         started["agreement"] = agreement.drop
-    sharded = (ShardedState(policy, components, catalog=catalog, writer=writer,
-                            telemetry=telemetry, agreement=agreement, rank=rank,
-                            world_size=world_size) if holds_dtensors(components) else None)
+    sharded = None
+    if holds_dtensors(components):
+        from ckptpilot.sharded import ShardedState  # DCP: seconds of imports dense runs skip
+
+        sharded = ShardedState(policy, components, catalog=catalog, writer=writer,
+                               telemetry=telemetry, agreement=agreement, rank=rank,
+                               world_size=world_size)
     copier = None
     # A sharded model's capture copies and synchronises on its own (sharded.py): no hooks.
     device = devicecopy.copier_for(components.model) if sharded is None else None

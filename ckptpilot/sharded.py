@@ -1,7 +1,7 @@
 """Sharded training state — FSDP2 ``fully_shard``, or DTensors on a device mesh — saved and
 restored by the pilot through :mod:`ckptpilot.dcp`, resharded when the number of ranks changed.
 
-This module owns the pilot's path for a model that holds DTensors (:func:`holds_dtensors`;
+This module owns the pilot's path for a model that holds DTensors (``state.holds_dtensors``;
 every other model keeps the replicated path: ``state.capture`` and the writer's tiers):
 
 - capture, on the training thread: DCP's view of the model and optimizer
@@ -46,7 +46,6 @@ training thread; the ``dcp.save`` of a save on the writer thread.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -87,7 +86,7 @@ from ckptpilot.tiers.remote import STAGING_MARK
 from ckptpilot.vocab import Level, RecoverySource, RetentionClass, Status, Tier
 from ckptpilot.writer import CheckpointWriter, SaveRecord
 
-__all__ = ["SHARDED_FORMAT", "SHARDED_FORMAT_VERSION", "ShardedState", "holds_dtensors",
+__all__ = ["SHARDED_FORMAT", "SHARDED_FORMAT_VERSION", "ShardedState",
            "resume_cursor"]
 
 log = logging.getLogger("ckptpilot")
@@ -97,13 +96,6 @@ SHARDED_FORMAT_VERSION = 1
 
 _NO_MODEL = torch.nn.Module()  # stands in for the model when state.capture takes the rest
 _Layout = tuple[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], str], ...]
-
-
-def holds_dtensors(components: TrainingComponents) -> bool:
-    """Whether the model's parameters or buffers are DTensors (FSDP2, tensor parallel)."""
-    model = components.model
-    return any(isinstance(t, DTensor) for t in itertools.chain(model.parameters(),
-                                                               model.buffers()))
 
 
 def _data_parallel(cursor: object) -> dict[str, int] | None:

@@ -13,8 +13,10 @@ a copier returns (``devicecopy``): its snapshot's ``fence`` says when they are d
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -435,3 +437,17 @@ def apply(components: TrainingComponents, meta: Mapping[str, Any],
             raise StateError(f"{key}: cannot load its state from the checkpoint: {e}") from e
     _set_rng_state(meta["rng"], get_tensor)
     return decode(meta["extras"], get_tensor)
+
+
+def holds_dtensors(components: TrainingComponents) -> bool:
+    """Whether the model's parameters or buffers are DTensors (FSDP2, tensor parallel).
+
+    Without ``torch.distributed.tensor`` imported no tensor can be one, and a dense run then
+    never pays for importing it (with DCP, a second or more of every process start).
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return False
+    model = components.model
+    return any(isinstance(t, module.DTensor)
+               for t in itertools.chain(model.parameters(), model.buffers()))
