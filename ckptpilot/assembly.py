@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckptpilot import devicecopy
+from ckptpilot import background, devicecopy
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.autoprune import AutoPruner
 from ckptpilot.catalog import Catalog
@@ -139,6 +139,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     started["validator"] = validator.close
     scheduler = AdaptiveCheckpointScheduler(policy.scheduler, policy.retention)
     max_pending = policy.async_.max_pending
+    background.use_idle_priority(policy.async_.background_priority == "idle")
     pool = HostBufferPool(max_pending)
     mem, peer = policy.tiers.memory, policy.tiers.peer
     memory = MemoryTier(mem.max_bytes, pool) if mem.enabled else None

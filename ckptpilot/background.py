@@ -2,10 +2,12 @@
 
 Everything a save does after the stall — encoding, hashing, writing, the load test — runs
 while the training thread (and, on a GPU box, the data loader) wants the same cores. Those
-threads run under ``SCHED_IDLE``: the kernel gives them a core only when nothing else of
-normal priority wants it, so a save costs training no time slices at all, where ``nice 10``
-still took about one slice in ten. Linux applies a thread's policy to that thread alone (and
-to the threads it starts), so the training thread keeps its own.
+threads run at ``nice`` :data:`BACKGROUND_NICE` (the scheduler gives training ~9 of every 10
+slices on busy cores), or, where the policy asks for it (``async.background_priority: idle``,
+:func:`use_idle_priority`), under ``SCHED_IDLE``: the kernel then gives them a core only when
+nothing else wants it, so a save costs training no time slice at all. Linux applies a
+thread's policy to that thread alone (and to the threads it starts), so the training thread
+keeps its own.
 
 Idle priority can starve: on cores that training keeps busy, a save would never finish. It
 only matters once training waits for the save — back-pressure (``async.max_pending``
@@ -16,10 +18,10 @@ that the newest recovery point is falling behind (the writer's patience). Then :
 at ``nice`` :data:`BACKGROUND_NICE` for as long as the wait lasts. The load-test worker
 process, whose wait is bounded by its own timeout, runs at ``nice`` :data:`BACKGROUND_NICE`.
 
-Where ``SCHED_IDLE`` is refused, or a thread could not be taken back out of it (not Linux, a
-sandbox, an unprivileged process without ``RLIMIT_NICE``), background threads fall back to that
-nice value and :func:`urgent` has nothing to do; a thread already at that nice value or lower
-priority is left as it is.
+Where idle priority is asked for but ``SCHED_IDLE`` is refused, or a thread could not be taken
+back out of it (not Linux, a sandbox, an unprivileged process without ``RLIMIT_NICE``),
+background threads fall back to that nice value and :func:`urgent` has nothing to do; a thread
+already at that nice value or lower priority is left as it is.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["BACKGROUND_NICE", "background_pool", "lift", "lower_priority", "settle", "urgent"]
+__all__ = ["BACKGROUND_NICE", "background_pool", "lift", "lower_priority", "settle", "urgent",
+           "use_idle_priority"]
 
 BACKGROUND_NICE = 10
 
@@ -49,26 +52,34 @@ class _Urgency:
         self.depth = 0
         self.moved: list[int] = []
         self.idle_allowed: bool | None = None  # see _idle_allowed
+        self.idle_wanted = False  # the policy's async.background_priority is idle
 
 
 _urgency = _Urgency()
 
 
 def lower_priority() -> None:
-    """Run the calling thread at idle priority (see the module docstring); never raises its
-    priority."""
+    """Run the calling thread at background priority (see the module docstring); never
+    raises its priority."""
     tid = threading.get_native_id()
     try:
         current = os.getpriority(os.PRIO_PROCESS, tid)
         if current >= BACKGROUND_NICE:
             return
         with _urgency.lock:
-            if _urgency.depth == 0 and _idle_allowed(tid):
+            if _urgency.idle_wanted and _urgency.depth == 0 and _idle_allowed(tid):
                 os.sched_setscheduler(tid, _IDLE, os.sched_param(0))  # type: ignore[arg-type]
                 return
             os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
     except (OSError, AttributeError) as e:  # not Linux, or a sandbox refusing it
         log.debug("background threads keep the default priority: %s", e)
+
+
+def use_idle_priority(on: bool) -> None:
+    """Whether background threads started from now on run under ``SCHED_IDLE`` (the policy's
+    ``async.background_priority``); threads already running keep theirs."""
+    with _urgency.lock:
+        _urgency.idle_wanted = on
 
 
 def _idle_allowed(tid: int) -> bool:
@@ -140,6 +151,6 @@ def _leave_idle() -> list[int]:
 
 
 def background_pool(max_workers: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads run at idle priority."""
+    """A thread pool whose threads run at background priority."""
     return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name,
                               initializer=lower_priority)

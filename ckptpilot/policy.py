@@ -737,9 +737,17 @@ class ObservabilityPolicy(_Section):
 
 
 class AsyncPolicy(_Section):
-    """Background save pipeline; ``max_pending`` saves in flight before the training blocks."""
+    """Background save pipeline; ``max_pending`` saves in flight before the training blocks.
+
+    ``background_priority``: ``nice`` runs the background work (hashing, encoding, writing,
+    TensorBoard) at nice 10; ``idle`` under ``SCHED_IDLE``, so it takes no time slice from
+    training, but only runs when nothing else on the machine wants a core: on training that
+    keeps every core busy a save then waits until it is lifted (``ckptpilot.background``),
+    and the newest recovery point lags. Opt in where training leaves cores free (GPU jobs).
+    """
 
     max_pending: int = Field(2, ge=1, le=_MAX_PENDING)
+    background_priority: Literal["nice", "idle"] = "nice"
 
 
 _OS_SIGNAL_RE = re.compile(r"SIG[A-Z0-9]{1,12}")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptpilot import background
 from ckptpilot.background import BACKGROUND_NICE, background_pool, urgent
-from ckptpilot.format.digest import hash_pool
 from ckptpilot.validation.loadcheck import LoadChecker
 
 
@@ -30,20 +31,55 @@ linux_idle = pytest.mark.skipif(IDLE is None or not os.path.isdir("/proc/self/ta
                                 reason="SCHED_IDLE and /proc/self/task are Linux's")
 
 
-def test_pool_threads_yield_and_the_caller_keeps_its_priority() -> None:
+@pytest.fixture
+def idle() -> Iterator[None]:
+    """The policy's ``async.background_priority: idle`` for the test's new threads."""
+    background.use_idle_priority(True)
+    try:
+        yield
+    finally:
+        background.use_idle_priority(False)
+
+
+def test_pool_threads_are_niced_by_default_and_the_caller_keeps_its_priority() -> None:
     before = _policy()
     with background_pool(2, "test-bg") as pool:
         seen = {pool.submit(_policy).result() for _ in range(4)}
+    assert {nice for _, nice in seen} == {max(before[1], BACKGROUND_NICE)}
+    assert {policy for policy, _ in seen} == {before[0]}
+    assert _policy() == before
+
+
+def test_with_idle_priority_pool_threads_run_idle(idle: None) -> None:
+    before = _policy()
+    with background_pool(2, "test-bg-idle") as pool:
+        seen = {pool.submit(_policy).result() for _ in range(4)}
     if IDLE is not None and background._urgency.idle_allowed:
         assert {policy for policy, _ in seen} == {IDLE}
-        assert hash_pool().submit(_policy).result()[0] == IDLE
     else:  # the fallback: niced
         assert {nice for _, nice in seen} == {max(before[1], BACKGROUND_NICE)}
     assert _policy() == before
 
 
+def test_the_policy_chooses_the_priority(tmp_path: Path) -> None:
+    from ckptpilot import CheckpointPilot, load_policy
+
+    for priority, wanted in (("nice", False), ("idle", True)):
+        cfg = tmp_path / f"{priority}.yaml"
+        cfg.write_text(f"async: {{background_priority: {priority}}}\n"
+                       "validation: {load_test: none}\n")
+        pilot = CheckpointPilot(load_policy(cfg, run_dir=tmp_path / priority),
+                                model=torch.nn.Linear(2, 2))
+        try:
+            assert background._urgency.idle_wanted is wanted
+        finally:
+            pilot.close(save=False)
+    background.use_idle_priority(False)
+
+
 @linux_idle
-def test_while_training_waits_the_idle_threads_run_niced_and_go_back_to_idle_after() -> None:
+def test_while_training_waits_the_idle_threads_run_niced_and_go_back_to_idle_after(
+        idle: None) -> None:
     """Idle priority may starve a save on busy cores; once training waits for it (back-
     pressure, a flush) that would cost training time, so the wait lifts it to nice 10."""
     release, ready = threading.Event(), threading.Event()
@@ -70,7 +106,7 @@ def test_while_training_waits_the_idle_threads_run_niced_and_go_back_to_idle_aft
 
 
 @linux_idle
-def test_back_pressure_lifts_a_starved_save(tmp_path: Path) -> None:
+def test_back_pressure_lifts_a_starved_save(tmp_path: Path, idle: None) -> None:
     """A writer whose slot is taken waits under urgent(): the save it waits for runs niced."""
     from ckptpilot.writer import CheckpointWriter
 
@@ -135,7 +171,8 @@ def test_a_child_forked_after_hashing_hashes_on_threads_of_its_own(tmp_path: Pat
 
 
 @linux_idle
-def test_a_save_that_waits_too_long_for_idle_cores_is_lifted_until_it_is_done() -> None:
+def test_a_save_that_waits_too_long_for_idle_cores_is_lifted_until_it_is_done(
+        idle: None) -> None:
     """On cores kept busy, an idle-priority save could wait forever while training goes on
     (no back-pressure yet): past the writer's patience it runs at nice 10 until done."""
     from concurrent.futures import Future
