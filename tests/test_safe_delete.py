@@ -493,6 +493,8 @@ NOT_CHECKPOINTS = {
     "ckptpilot.fit.harness": "the scratch runs and tiers `ckptpilot fit` made",
     "ckptpilot.fit.scenarios": "fault injection in the scratch runs `ckptpilot fit` made",
     "ckptpilot.fit.attacks": "the scratch run's metadata database, deleted by a scenario",
+    "ckptpilot.fit.incidents": "the torchrun campaign's incidents destroy a scratch run's "
+                               "checkpoints and database on purpose",
     "ckptpilot.tiers.peer.auth": "the temporary file of the peer secret's atomic creation",
 }
 
