@@ -204,9 +204,8 @@ def _sha256(tensor: torch.Tensor) -> str:
 def read_index(fileobj: BinaryIO) -> ContainerIndex:
     """Read and check the header, trailer and index of a container (a seekable file)."""
     layout = read_layout(fileobj)
-    entries = tuple(TensorEntry(name=e.name, dtype=DTYPES[e.dtype], shape=e.shape, codec=e.codec,
-                                params=e.params, raw_bytes=e.raw_bytes,
-                                encoded_bytes=e.encoded_bytes, sha256=e.sha256, offset=e.offset)
+    # The torch-free entry with its dtype name resolved: the same fields, in the same order.
+    entries = tuple(TensorEntry(**{**vars(e), "dtype": DTYPES[e.dtype]})
                     for e in layout.entries)
     return ContainerIndex(entries, layout.meta_offset, layout.meta_length, layout.meta_sha256)
 
