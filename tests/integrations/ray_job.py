@@ -1,6 +1,6 @@
 """Ray Train jobs on a real local Ray cluster, run as a child process by test_ray.py.
 
-One ``ray.init`` (two CPUs, no dashboard, its temporary files under ``--work``) runs four
+One ``ray.init`` (two CPUs, no dashboard, its temporary files under ``--ray-temp``) runs four
 ``TorchTrainer`` fits of the same two-worker gloo loop (``train_loop``), each worker with a
 ``RayTrainPilot``, in order:
 
@@ -123,11 +123,12 @@ def main() -> None:
     p.add_argument("--work", required=True)
     p.add_argument("--policy", required=True)
     p.add_argument("--kill-at", type=int, required=True)
+    p.add_argument("--ray-temp", required=True, help="Ray's temporary directory (short: sockets)")
     a = p.parse_args()
     work = Path(a.work)
     summary: dict[str, Any] = {}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(work / "tmp"))
+             _temp_dir=a.ray_temp)
     try:
         summary["reference"] = fit(work, a.policy, "reference", "ref", "ref")
         summary["killed"] = fit(work, a.policy, "killed", "run", "run", kill_at=a.kill_at,

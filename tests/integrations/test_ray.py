@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,19 +57,22 @@ POLICY = (
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The four fits of ray_job.py, run once. A short directory name: Ray's sockets live
-    under its temporary directory, and a Unix socket path has at most 107 bytes."""
+    """The four fits of ray_job.py, run once. Ray's own temporary directory sits right under
+    /tmp: its sockets live there, a Unix socket path has at most 107 bytes, and pytest's
+    per-worker base directories (pytest-xdist) are too deep for it."""
     work = tmp_path_factory.mktemp("ray")
     (work / "policy.yaml").write_text(POLICY)
+    ray_temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     proc = subprocess.Popen(
         [sys.executable, str(JOB), "--work", str(work), "--policy", str(work / "policy.yaml"),
-         "--kill-at", str(KILL_AT)],
+         "--kill-at", str(KILL_AT), "--ray-temp", str(ray_temp)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         out, err = proc.communicate(timeout=TIMEOUT_SECONDS)
     finally:
         _kill_session(proc.pid)
+        shutil.rmtree(ray_temp, ignore_errors=True)  # Ray's logs and dead sockets
     assert proc.returncode == 0, out[-3000:] + err[-6000:]
     return work
 
