@@ -194,7 +194,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
                                telemetry=telemetry, agreement=agreement, rank=rank,
                                world_size=world_size)
     copier = None
-    # A sharded model's capture copies and synchronises on its own (sharded.py): no hooks.
+    # A sharded model's capture copies and synchronises on its own (sharded/save.py): no hooks.
     device = devicecopy.copier_for(components.model) if sharded is None else None
     if device is not None:
         copier = devicecopy.StepFences(device, components.model, components.optimizer)
