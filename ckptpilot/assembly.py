@@ -43,7 +43,7 @@ from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.watchdog import HangWatchdog
 from ckptpilot.writer import CheckpointWriter

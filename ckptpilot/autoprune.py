@@ -8,7 +8,7 @@ remote tier; never the training thread. Both go through the pure planners of ``r
 ``ckptpilot prune``: a prune killed half-way leaves ``expired`` rows whose files the next
 prune removes (``repair``), never a ``valid`` row without its files. What a row's location
 names is deleted only when the tier finds it is that row's checkpoint
-(``tiers.entries``); a refused row is logged with the reason and left as it was.
+(``tiers.remote.entries``); a refused row is logged with the reason and left as it was.
 
 One rank decides for the shared storage: rank 0 has a pruner, the others none. It plans over
 every rank's rows, and the planner keeps the newest step that every rank holds, so what it
@@ -39,8 +39,8 @@ from ckptpilot.retention import (
     repair,
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
-from ckptpilot.tiers.entries import location_entry, sweep
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.entries import location_entry, sweep
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
 __all__ = ["AutoPruner", "DiskBudgetError", "Remover", "remote_remover", "sweep_removals"]

@@ -43,18 +43,18 @@ from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.saveplan import SavePlan
 from ckptpilot.state import HostBufferPool, Snapshot
-from ckptpilot.storage.archive import (
+from ckptpilot.telemetry import Telemetry
+from ckptpilot.tiers.memory import MemoryTier
+from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
+from ckptpilot.tiers.peer.client import FULL, stripe_record
+from ckptpilot.tiers.remote.archive import (
     StagedArchive,
     checkpoint_name,
     model_layout,
     publish_organ,
     stage_organ,
 )
-from ckptpilot.telemetry import Telemetry
-from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
-from ckptpilot.tiers.peer.client import FULL, stripe_record
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import Level, RetentionClass, Status, Tier
 
@@ -432,7 +432,7 @@ class CheckpointWriter:
         and mark ``corrupted``).
 
         An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
-        self-contained (see ``storage.archive``) — or as safetensors too when the codecs would
+        self-contained (see ``tiers.remote.archive``) — or as safetensors too when the codecs would
         save less transfer time at this tier's bandwidth than the container's extra hash pass
         costs."""
         intent, catalog, remote = plan.intent, self._catalog, self._remote

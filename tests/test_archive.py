@@ -17,8 +17,8 @@ import torch
 
 from ckptpilot import CheckpointFormatError, IntegrityError
 from ckptpilot.state import TrainingComponents, capture
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 @pytest.fixture(params=["local", "memory"])

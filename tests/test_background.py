@@ -146,7 +146,7 @@ def test_the_load_test_worker_runs_niced() -> None:
 def test_a_child_forked_after_hashing_hashes_on_threads_of_its_own(tmp_path: Path) -> None:
     """The parent's hashing threads do not exist in a forked child (torch.multiprocessing's
     fork start, a launcher that forks): work handed to the inherited pool would never run."""
-    from ckptpilot.tiers.remote import RemoteTier
+    from ckptpilot.tiers.remote.store import RemoteTier
 
     tier = RemoteTier(str(tmp_path))
     data = [bytes(range(256)) * 4096 * 3]  # 3 MiB

@@ -24,8 +24,8 @@ from ckptpilot import (
     RecoverySource,
     ResumableSampler,
 )
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: bool = False,

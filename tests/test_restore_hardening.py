@@ -23,8 +23,8 @@ from test_pilot import Job
 from ckptpilot import CheckpointPilot, NoCheckpointError, RecoverySource, StateError
 from ckptpilot.cli import main as cli_main
 from ckptpilot.rundir import RUN_ID_FILE, RunDirBusyError, RunLease
-from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore, Status
+from ckptpilot.tiers.remote import archive
 
 HERE = Path(__file__).parent
 

@@ -18,8 +18,8 @@ from ckptpilot import retention
 from ckptpilot.catalog import Moves
 from ckptpilot.policy import RetentionPolicy
 from ckptpilot.retention import BestPolicy, RetentionPlan, execute_plan, plan_retention, repair
-from ckptpilot.storage.archive import checkpoint_name
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore, Status
+from ckptpilot.tiers.remote.archive import checkpoint_name
 
 POLICY = RetentionPolicy(keep_last=1)  # important 3, routine 1: the class rules alone
 

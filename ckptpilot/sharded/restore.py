@@ -46,7 +46,7 @@ from ckptpilot.sharded.meta import (
     why_failed,
 )
 from ckptpilot.state import TrainingComponents, apply, decode, encode_tree
-from ckptpilot.tiers.remote import STAGING_MARK
+from ckptpilot.tiers.remote.store import STAGING_MARK
 from ckptpilot.vocab import Level, RecoverySource, Status, Tier
 
 log = logging.getLogger("ckptpilot")
