@@ -22,7 +22,6 @@ import torch
 
 from ckptpilot import background, devicecopy
 from ckptpilot.agreement import RankAgreement
-from ckptpilot.autoprune import AutoPruner
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
@@ -32,6 +31,7 @@ from ckptpilot.preemption import PreemptionGuard
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.restorer import Restorer
+from ckptpilot.retention.auto import AutoPruner
 from ckptpilot.rollback import RollbackGuard
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler

@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ckptpilot.autoprune import remote_remover, sweep_removals
 from ckptpilot.catalog import Moves, write_pin
 from ckptpilot.dcp.format import parse_dcp_name
 from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
 from ckptpilot.dcp.storage import read_manifest as read_dcp_manifest
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError, LineageError
 from ckptpilot.policy import Policy
-from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
+from ckptpilot.retention.auto import remote_remover, sweep_removals
+from ckptpilot.retention.plan import BestPolicy, execute_plan, plan_retention, repair
 from ckptpilot.rundir import (
     aside_path,
     every_lease,

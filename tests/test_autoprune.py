@@ -19,7 +19,7 @@ import yaml
 from helpers import assert_states_bit_equal
 
 from ckptpilot import CheckpointPilot, load_policy
-from ckptpilot.retention import plan_room
+from ckptpilot.retention.plan import plan_room
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote import archive
 from ckptpilot.tiers.remote.store import RemoteTier

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from ckptpilot.catalog import Moves
 from ckptpilot.errors import NoCheckpointError
 from ckptpilot.policy import RetentionPolicy
-from ckptpilot.retention import execute_plan, plan_retention
+from ckptpilot.retention.plan import execute_plan, plan_retention
 from ckptpilot.storage import metadata, schema
 from ckptpilot.storage.metadata import (
     SCHEMA_VERSION,

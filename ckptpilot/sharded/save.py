@@ -19,12 +19,12 @@ import torch.distributed.checkpoint as dcp
 from sqlalchemy.exc import SQLAlchemyError
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from ckptpilot.autoprune import DiskBudgetError
 from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.dcp import Writer
 from ckptpilot.dcp.writer import codec_selector
 from ckptpilot.errors import CkptPilotError
 from ckptpilot.policy import Policy
+from ckptpilot.retention.auto import DiskBudgetError
 from ckptpilot.saveplan import plan_save
 from ckptpilot.sharded.meta import (
     NO_MODEL,

@@ -3,7 +3,7 @@
 
 This module owns :class:`AutoPruner`. The writer thread calls :meth:`AutoPruner.prune` after
 each save it published valid, and :meth:`AutoPruner.make_room` before it writes one to the
-remote tier; never the training thread. Both go through the pure planners of ``retention``
+remote tier; never the training thread. Both go through the pure planners of ``retention.plan``
 (``plan_retention``, ``plan_room``) and its crash-safe executor, exactly like
 ``ckptpilot prune``: a prune killed half-way leaves ``expired`` rows whose files the next
 prune removes (``repair``), never a ``valid`` row without its files. What a row's location
@@ -29,7 +29,7 @@ from typing import NamedTuple
 from ckptpilot.catalog import Moves
 from ckptpilot.errors import CkptPilotError, RemovalRefusedError
 from ckptpilot.policy import RetentionPolicy
-from ckptpilot.retention import (
+from ckptpilot.retention.plan import (
     BestPolicy,
     PruneReport,
     RetentionPlan,
@@ -56,7 +56,7 @@ class DiskBudgetError(CkptPilotError):
 
 
 class Remover(NamedTuple):
-    """The callbacks of the retention executors (``retention.execute_plan``, ``repair``)."""
+    """The callbacks of the retention executors (``retention.plan.execute_plan``, ``repair``)."""
 
     exists: Callable[[CheckpointRow], bool]
     remove: Callable[[CheckpointRow], None]
