@@ -77,8 +77,8 @@ from scratch import DEFAULT_DIR, REPO, scratch_dir
 from stall import Layout, State, build_state, state_nbytes
 
 import ckptpilot
+from ckptpilot.capture.state import Snapshot, TrainingComponents, capture
 from ckptpilot.format.image import ImageMeta
-from ckptpilot.state import Snapshot, TrainingComponents, capture
 from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.peer.auth import load_secret
 from ckptpilot.tiers.peer.calls import call as _call

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ckptpilot import CheckpointPilot
-from ckptpilot.state import Snapshot
+from ckptpilot.capture.state import Snapshot
 from ckptpilot.tiers.remote.archive import TENSORS_FILE, stage_organ
 from ckptpilot.tiers.remote.store import RemoteTier
 

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckptpilot import background, devicecopy
+from ckptpilot import background
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.capture import devicecopy
+from ckptpilot.capture.state import HostBufferPool, TrainingComponents, holds_dtensors
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
@@ -35,7 +37,6 @@ from ckptpilot.retention.auto import AutoPruner
 from ckptpilot.rollback import RollbackGuard
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
-from ckptpilot.state import HostBufferPool, TrainingComponents, holds_dtensors
 from ckptpilot.steps import StepDecider
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
 from ckptpilot.storage.ledger import FailureLedger

@@ -43,6 +43,7 @@ import torch
 
 from ckptpilot.agreement import process_rank_world
 from ckptpilot.assembly import open_parts
+from ckptpilot.capture.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.catalog import SaveIntent
 from ckptpilot.lifecycle import RecoveryReport
 from ckptpilot.policy import Policy, load_policy
@@ -52,7 +53,6 @@ from ckptpilot.restorer import Read, SkippedCheckpoint
 from ckptpilot.rundir import RunLease
 from ckptpilot.saveplan import plan_save
 from ckptpilot.scheduler.decision import CheckpointDecision
-from ckptpilot.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.steps import write_heartbeat
 from ckptpilot.storage.ledger import Rollback
 from ckptpilot.vocab import Level, RecoverySource

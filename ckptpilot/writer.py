@@ -36,13 +36,13 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from ckptpilot.background import background_pool, lift, settle, urgent
+from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.retention.auto import AutoPruner, DiskBudgetError
 from ckptpilot.saveplan import SavePlan
-from ckptpilot.state import HostBufferPool, Snapshot
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier

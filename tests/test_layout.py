@@ -76,7 +76,7 @@ def test_the_ground_floor_modules_import_nothing_above_them() -> None:
     assert GRAPH["ckptpilot.vocab"] == set()
     assert GRAPH["ckptpilot.errors"] == set()
     assert GRAPH["ckptpilot.background"] == set()  # thread priority, used by format.digest
-    assert GRAPH["ckptpilot.devicecopy"] == set()  # under state.py: copies and their order
+    assert GRAPH["ckptpilot.capture.devicecopy"] == set()  # under state.py: copies and their order
     for name, deps in GRAPH.items():
         if name.startswith(("ckptpilot.format", "ckptpilot.codecs")):
             above = {d for d in deps if not d.startswith(

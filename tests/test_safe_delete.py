@@ -24,9 +24,9 @@ import torch
 from test_autoprune import Run, write_policy
 from test_runops import cli, make_pilot, policy_file, train, tree_digest
 
+from ckptpilot.capture.state import TrainingComponents, capture
 from ckptpilot.dcp.format import DCP_METADATA_FILE, dcp_name, parse_dcp_name
 from ckptpilot.errors import CheckpointFormatError, RemovalRefusedError
-from ckptpilot.state import TrainingComponents, capture
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote import archive, entries
 from ckptpilot.tiers.remote.store import RemoteTier

@@ -51,7 +51,7 @@ import safetensors.torch
 import torch
 
 from ckptpilot import CheckpointPilot, CkptPilotError, ResumableSampler, load_policy
-from ckptpilot import state as state_module
+from ckptpilot.capture import state as state_module
 from ckptpilot.fit import rankfaults
 from ckptpilot.fit.harness import read_losses
 from ckptpilot.probes.gpu import DeviceReading, GpuHealthProvider, GpuReading

@@ -54,13 +54,13 @@ import torch
 import torch.distributed as dist
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.capture.state import TrainingComponents
 from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.policy import Policy
 from ckptpilot.restorer import Read, Restored
 from ckptpilot.sharded.meta import SHARDED_FORMAT, SHARDED_FORMAT_VERSION, resume_cursor
 from ckptpilot.sharded.restore import ShardedRestorer
 from ckptpilot.sharded.save import ShardedSaver
-from ckptpilot.state import TrainingComponents
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.writer import CheckpointWriter
 

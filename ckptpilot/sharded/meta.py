@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from ckptpilot.capture.state import Stateful
 from ckptpilot.errors import StateError
-from ckptpilot.state import Stateful
 
 SHARDED_FORMAT = "ckptpilot-sharded"
 SHARDED_FORMAT_VERSION = 1

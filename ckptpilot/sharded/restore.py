@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.capture.state import TrainingComponents, apply, decode, encode_tree
 from ckptpilot.catalog import Catalog
 from ckptpilot.dcp import Reader, dcp_name
 from ckptpilot.dcp.reader import usable_steps
@@ -45,7 +46,6 @@ from ckptpilot.sharded.meta import (
     resume_cursor,
     why_failed,
 )
-from ckptpilot.state import TrainingComponents, apply, decode, encode_tree
 from ckptpilot.tiers.remote.store import STAGING_MARK
 from ckptpilot.vocab import Level, RecoverySource, Status, Tier
 

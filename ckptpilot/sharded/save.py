@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from sqlalchemy.exc import SQLAlchemyError
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+from ckptpilot.capture.state import TrainingComponents, capture, encode_tree
 from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.dcp import Writer
 from ckptpilot.dcp.writer import codec_selector
@@ -37,7 +38,6 @@ from ckptpilot.sharded.meta import (
     layout_of,
     local_part,
 )
-from ckptpilot.state import TrainingComponents, capture, encode_tree
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.vocab import RetentionClass, Status, Tier
 from ckptpilot.writer import CheckpointWriter, SaveRecord

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: peerdaem
 
 from peerdaemons import KEY, Daemon, call, revive, start, stop_all
 
-from ckptpilot.state import HostBufferPool
+from ckptpilot.capture.state import HostBufferPool
 from ckptpilot.tiers.base import CheckpointTier, TierCapabilities
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable

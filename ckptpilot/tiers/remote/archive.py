@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptpilot.capture.state import Snapshot
 from ckptpilot.codecs.container import (
     CodecFor,
     ContainerIndex,
@@ -47,7 +48,6 @@ from ckptpilot.format.manifest import (
     encode_manifest,
 )
 from ckptpilot.format.safetensors_header import MAX_HEADER_BYTES, check_safetensors_header
-from ckptpilot.state import Snapshot
 from ckptpilot.tiers.remote.entries import REMOVING_MARK, refuse_links
 from ckptpilot.tiers.remote.store import COMMIT_FILE, STAGING_MARK, RemoteTier
 
