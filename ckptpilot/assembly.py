@@ -36,6 +36,7 @@ from ckptpilot.restorer import Restorer
 from ckptpilot.retention.auto import AutoPruner
 from ckptpilot.rollback import RollbackGuard
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
+from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.steps import StepDecider
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
@@ -47,7 +48,6 @@ from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
 from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.watchdog import HangWatchdog
-from ckptpilot.writer import CheckpointWriter
 
 if TYPE_CHECKING:
     from ckptpilot.sharded import ShardedState

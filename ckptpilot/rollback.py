@@ -24,10 +24,10 @@ from ckptpilot.capture.state import Stateful
 from ckptpilot.catalog import Catalog
 from ckptpilot.errors import PolicyError, RollbackLimitError
 from ckptpilot.policy import RollbackPolicy
+from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.scheduler.spike import Spike, SpikeDetector
 from ckptpilot.storage.ledger import FailureLedger, Rollback
-from ckptpilot.writer import CheckpointWriter
 
 __all__ = ["RollbackGuard", "check_rollback_setup"]
 

@@ -108,7 +108,7 @@ def test_while_training_waits_the_idle_threads_run_niced_and_go_back_to_idle_aft
 @linux_idle
 def test_back_pressure_lifts_a_starved_save(tmp_path: Path, idle: None) -> None:
     """A writer whose slot is taken waits under urgent(): the save it waits for runs niced."""
-    from ckptpilot.writer import CheckpointWriter
+    from ckptpilot.save.writer import CheckpointWriter
 
     slots = threading.BoundedSemaphore(1)
     writer = CheckpointWriter.__new__(CheckpointWriter)
@@ -177,7 +177,7 @@ def test_a_save_that_waits_too_long_for_idle_cores_is_lifted_until_it_is_done(
     (no back-pressure yet): past the writer's patience it runs at nice 10 until done."""
     from concurrent.futures import Future
 
-    from ckptpilot.writer import PATIENCE_SECONDS, CheckpointWriter, _Job
+    from ckptpilot.save.writer import PATIENCE_SECONDS, CheckpointWriter, _Job
 
     writer = CheckpointWriter.__new__(CheckpointWriter)
     writer._jobs, writer._lifted, writer.saves = deque(), None, []

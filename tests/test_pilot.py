@@ -324,7 +324,7 @@ def test_peak_host_memory_stays_within_the_in_flight_bound(tmp_path: Path, level
 
 def rot_after_writing(monkeypatch: pytest.MonkeyPatch, *, step: int) -> None:
     """The disk flips a bit of ``step``'s tensors file after the write returned."""
-    import ckptpilot.writer as writer_module
+    import ckptpilot.save.writer as writer_module
 
     original = writer_module.stage_organ
 

@@ -175,7 +175,7 @@ CHILD = textwrap.dedent("""\
     import os, signal, sys
     import torch
     from ckptpilot import CheckpointPilot, load_policy
-    from ckptpilot import writer
+    from ckptpilot.save import writer
     from ckptpilot.tiers.remote import archive
 
     def killed_before_the_manifest(tier, staged):

@@ -58,11 +58,11 @@ from ckptpilot.capture.state import TrainingComponents
 from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.policy import Policy
 from ckptpilot.restorer import Read, Restored
+from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.sharded.meta import SHARDED_FORMAT, SHARDED_FORMAT_VERSION, resume_cursor
 from ckptpilot.sharded.restore import ShardedRestorer
 from ckptpilot.sharded.save import ShardedSaver
 from ckptpilot.telemetry import Telemetry
-from ckptpilot.writer import CheckpointWriter
 
 __all__ = ["SHARDED_FORMAT", "SHARDED_FORMAT_VERSION", "ShardedState",
            "resume_cursor"]

@@ -26,7 +26,8 @@ from ckptpilot.dcp.writer import codec_selector
 from ckptpilot.errors import CkptPilotError
 from ckptpilot.policy import Policy
 from ckptpilot.retention.auto import DiskBudgetError
-from ckptpilot.saveplan import plan_save
+from ckptpilot.save.plan import plan_save
+from ckptpilot.save.writer import CheckpointWriter, SaveRecord
 from ckptpilot.sharded.meta import (
     NO_MODEL,
     SHARDED_FORMAT,
@@ -40,7 +41,6 @@ from ckptpilot.sharded.meta import (
 )
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.vocab import RetentionClass, Status, Tier
-from ckptpilot.writer import CheckpointWriter, SaveRecord
 
 log = logging.getLogger("ckptpilot")
 

@@ -3,7 +3,7 @@ thread.
 
 This module owns :class:`CheckpointWriter` and :class:`SaveRecord`. One background thread
 waits for a snapshot's device copies (``Snapshot.fence``: nothing reads it before), then
-executes its :class:`~ckptpilot.saveplan.SavePlan` in one straight line per tier: encode →
+executes its :class:`~ckptpilot.save.plan.SavePlan` in one straight line per tier: encode →
 record ``pending`` → put → verify → publish and record ``valid`` (or set aside and record
 ``corrupted``, with an alert: the previous valid checkpoint stays the recovery point); then
 the snapshot's buffers stay in the memory tier or go back to the pool. Back-pressure: at most
@@ -42,7 +42,7 @@ from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.retention.auto import AutoPruner, DiskBudgetError
-from ckptpilot.saveplan import SavePlan
+from ckptpilot.save.plan import SavePlan
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
