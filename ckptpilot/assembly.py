@@ -27,14 +27,15 @@ from ckptpilot.capture.state import HostBufferPool, TrainingComponents, holds_dt
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
+from ckptpilot.guards.preemption import PreemptionGuard
+from ckptpilot.guards.rollback import RollbackGuard
+from ckptpilot.guards.watchdog import HangWatchdog
 from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy
-from ckptpilot.preemption import PreemptionGuard
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.restorer import Restorer
 from ckptpilot.retention.auto import AutoPruner
-from ckptpilot.rollback import RollbackGuard
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
@@ -47,7 +48,6 @@ from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
 from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
-from ckptpilot.watchdog import HangWatchdog
 
 if TYPE_CHECKING:
     from ckptpilot.sharded import ShardedState

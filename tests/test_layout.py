@@ -58,7 +58,7 @@ def test_the_pilot_is_a_facade_of_at_most_400_lines() -> None:
 
 def test_the_save_and_restore_paths_never_climb_back_to_the_pilot() -> None:
     for start in ("ckptpilot.save.writer", "ckptpilot.restorer", "ckptpilot.save.plan",
-                  "ckptpilot.catalog", "ckptpilot.rollback", "ckptpilot.agreement",
+                  "ckptpilot.catalog", "ckptpilot.guards.rollback", "ckptpilot.agreement",
                   "ckptpilot.lifecycle"):
         assert start in MODULES, start
         climbs = reachable(start) & TOP
