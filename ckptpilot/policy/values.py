@@ -5,9 +5,9 @@ scheduler would make later is made at load time. Every number has an upper bound
 beyond what a real run needs (windows of 100,000 probes, timeouts of a day, a PiB of memory)
 because the consumers size buffers, thread pools and socket timeouts from these values: an
 unbounded window is a multi-GB allocation and a timeout of 1e300 s overflows the socket layer.
-Strings, lists and the file itself are bounded for the same reason. The remote URL's fsspec
-protocol is checked against the installed backends because it would otherwise fail only when
-the pilot starts.
+Strings and lists are bounded for the same reason (the file itself: ``reader``). The remote
+URL's fsspec protocol is checked against the installed backends because it would otherwise
+fail only when the pilot starts.
 """
 
 from __future__ import annotations
