@@ -28,6 +28,8 @@ _MAX_INT_CHARS = 64
 
 
 def read_policy_yaml(source: str) -> dict[Any, Any]:
+    """The top-level mapping of the policy file ``source`` (empty for an empty file); every
+    problem, from a missing file to an alias bomb, is a :class:`PolicyError` naming the file."""
     try:
         with Path(source).open("rb") as file:
             raw = file.read(_MAX_FILE_BYTES + 1)

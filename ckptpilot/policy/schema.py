@@ -439,6 +439,8 @@ def _restore_templates(template: Any, current: Any, run_dir: str) -> Any:
 
 
 def validate_policy(data: Any, source: str | None) -> Policy:
+    """``data`` as a :class:`Policy`; pydantic's errors become one :class:`PolicyError` on the
+    YAML path of the first (``source`` names the file in the message)."""
     try:
         return Policy.model_validate(data)
     except ValidationError as exc:
