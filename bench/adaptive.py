@@ -58,7 +58,7 @@ of the adaptive schedule does exactly that. Plain fixed schedules have no one to
 promote their saves (no tool does), so the goal's baselines are unpromoted; the cell also gives
 the fixed schedules *with* the same promotion, which shows how much of the gain is the
 promotion's rather than the schedule's. The rollback distance of a spike is onset − the newest
-save before ``onset − 1`` that retention keeps: :func:`ckptpilot.retention.plan_retention`
+save before ``onset − 1`` that retention keeps: :func:`ckptpilot.retention.plan.plan_retention`
 (default policy) is applied to all the run's saves, with their final classes, at the end of
 the trace — a late prune, as when a person looks back at a spike long after it. Each save is
 one valid row with its decision's level and retention class; the fixed schedules' saves are
@@ -116,7 +116,7 @@ from pathlib import Path
 
 import ckptpilot
 from ckptpilot.policy import RetentionPolicy, RollbackPolicy, SchedulerPolicy
-from ckptpilot.retention import plan_retention
+from ckptpilot.retention.plan import plan_retention
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import SystemHealth
 from ckptpilot.scheduler.interval import daly_interval

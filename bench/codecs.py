@@ -96,6 +96,7 @@ try:
 except ImportError:
     from backports import zstd as stdzstd
 
+from ckptpilot.capture.state import Snapshot
 from ckptpilot.codecs import (
     Codec,
     blob_info,
@@ -111,9 +112,8 @@ from ckptpilot.codecs.entropy import compressor, decompress_into, literal_compre
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.demo import CONTEXT, CharTransformer, DemoJob, stdlib_text
 from ckptpilot.sampler import ResumableSampler
-from ckptpilot.state import Snapshot
-from ckptpilot.storage.archive import StagedArchive, stage_organ
-from ckptpilot.tiers.remote import HashingWriter, RemoteTier
+from ckptpilot.tiers.remote.archive import StagedArchive, stage_organ
+from ckptpilot.tiers.remote.store import HashingWriter, RemoteTier
 
 DELTAS = (1, 25, 100)
 CODECS = ("raw", "zstd", "byteplane", "xor_delta", "prefix_index", "auto", "byteplane@50MB/s",

@@ -77,14 +77,14 @@ from scratch import DEFAULT_DIR, REPO, scratch_dir
 from stall import Layout, State, build_state, state_nbytes
 
 import ckptpilot
+from ckptpilot.capture.state import Snapshot, TrainingComponents, capture
 from ckptpilot.format.image import ImageMeta
-from ckptpilot.state import Snapshot, TrainingComponents, capture
-from ckptpilot.storage.archive import read_organ, stage_organ
 from ckptpilot.tiers.peer import PeerTier
 from ckptpilot.tiers.peer.auth import load_secret
 from ckptpilot.tiers.peer.calls import call as _call
 from ckptpilot.tiers.peer.protocol import Frame, Op
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.archive import read_organ, stage_organ
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Level, RetentionClass
 
 DAEMONS = 5

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from ckptpilot import CheckpointPilot
-from ckptpilot.state import Snapshot
-from ckptpilot.storage.archive import TENSORS_FILE, stage_organ
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.capture.state import Snapshot
+from ckptpilot.tiers.remote.archive import TENSORS_FILE, stage_organ
+from ckptpilot.tiers.remote.store import RemoteTier
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / ".bench-tmp" / "profiles"
 LOOP_YAML = """scheduler: {base_interval: 20, min_interval: 20, max_interval: 20,

@@ -43,10 +43,10 @@ from stall import Layout, State, assert_same, build_state, fresh_state, state_nb
 
 from ckptpilot import CheckpointPilot, load_policy
 from ckptpilot.format.digest import chunk_ranges, hash_pool
-from ckptpilot.storage.archive import TENSORS_FILE, read_manifest
-from ckptpilot.tiers.remote import RemoteTier, _fresh_bytes
+from ckptpilot.tiers.remote.archive import TENSORS_FILE, read_manifest
+from ckptpilot.tiers.remote.store import RemoteTier, _fresh_bytes
 
-AHEAD = 256 << 20  # tiers/remote.py's _READ_AHEAD_BYTES
+AHEAD = 256 << 20  # tiers/remote/store.py's _READ_AHEAD_BYTES
 POLICY_YAML = """\
 scheduler: {{base_interval: 100000, min_interval: 1, max_interval: 100000}}
 observability: {{tensorboard: false, decision_log: false}}

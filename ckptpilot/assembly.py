@@ -20,22 +20,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckptpilot import background, devicecopy
+from ckptpilot import background
 from ckptpilot.agreement import RankAgreement
-from ckptpilot.autoprune import AutoPruner
+from ckptpilot.capture import devicecopy
+from ckptpilot.capture.state import HostBufferPool, TrainingComponents, holds_dtensors
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
+from ckptpilot.guards.preemption import PreemptionGuard
+from ckptpilot.guards.rollback import RollbackGuard
+from ckptpilot.guards.watchdog import HangWatchdog
 from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy
-from ckptpilot.preemption import PreemptionGuard
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.restorer import Restorer
-from ckptpilot.rollback import RollbackGuard
+from ckptpilot.retention.auto import AutoPruner
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
+from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
-from ckptpilot.state import HostBufferPool, TrainingComponents, holds_dtensors
 from ckptpilot.steps import StepDecider
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
 from ckptpilot.storage.ledger import FailureLedger
@@ -43,10 +46,8 @@ from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.telemetry import Telemetry
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
-from ckptpilot.watchdog import HangWatchdog
-from ckptpilot.writer import CheckpointWriter
 
 if TYPE_CHECKING:
     from ckptpilot.sharded import ShardedState
@@ -194,7 +195,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
                                telemetry=telemetry, agreement=agreement, rank=rank,
                                world_size=world_size)
     copier = None
-    # A sharded model's capture copies and synchronises on its own (sharded.py): no hooks.
+    # A sharded model's capture copies and synchronises on its own (sharded/save.py): no hooks.
     device = devicecopy.copier_for(components.model) if sharded is None else None
     if device is not None:
         copier = devicecopy.StepFences(device, components.model, components.optimizer)

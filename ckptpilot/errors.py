@@ -74,7 +74,7 @@ class LineageError(CkptPilotError, RuntimeError):
 
 class RemovalRefusedError(CkptPilotError, PermissionError):
     """A deletion was refused before anything was touched: its target is not a checkpoint of
-    the tier (``tiers.entries`` has the rule). An ``OSError``, so that a caller that goes on
+    the tier (``tiers.remote.entries`` has the rule). An ``OSError``, so that a caller that goes on
     past a failed removal (a prune, the debris of a killed writer) goes on past this one."""
 
 

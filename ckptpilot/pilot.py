@@ -3,8 +3,8 @@
 A facade over the parts of a checkpointing run (docs/reference/layout.md): per step,
 ``observe`` (training thread) measures the signals and the adaptive scheduler decides
 (``scheduler/``; in a distributed run the ranks agree through ``agreement``) → a save copies
-the complete state into host memory (``state.capture``, the only cost training pays) → the
-writer (``writer``) executes the save's plan (``saveplan``) on its background thread, tier by
+the complete state into host memory (``capture/``, the only cost training pays) → the
+writer (``save/writer``) executes the save's plan (``save/plan``) on its background thread, tier by
 tier, recording each step in the catalog (``catalog``). ``restore`` runs the path backwards
 (``restorer``); a confirmed loss spike goes to the rollback guard (``rollback``). Heartbeats
 (level 0) are written every ``levels.heartbeat.every`` steps into a memory-mapped ring,
@@ -43,6 +43,7 @@ import torch
 
 from ckptpilot.agreement import process_rank_world
 from ckptpilot.assembly import open_parts
+from ckptpilot.capture.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.catalog import SaveIntent
 from ckptpilot.lifecycle import RecoveryReport
 from ckptpilot.policy import Policy, load_policy
@@ -50,13 +51,12 @@ from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY
 from ckptpilot.restorer import Read, SkippedCheckpoint
 from ckptpilot.rundir import RunLease
-from ckptpilot.saveplan import plan_save
+from ckptpilot.save.plan import plan_save
+from ckptpilot.save.writer import SaveRecord
 from ckptpilot.scheduler.decision import CheckpointDecision
-from ckptpilot.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
 from ckptpilot.steps import write_heartbeat
 from ckptpilot.storage.ledger import Rollback
 from ckptpilot.vocab import Level, RecoverySource
-from ckptpilot.writer import SaveRecord
 
 __all__ = ["CheckpointPilot", "RecoveryReport", "RecoverySource", "SaveRecord",
            "SkippedCheckpoint"]

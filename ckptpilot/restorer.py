@@ -37,7 +37,11 @@ from ckptpilot.errors import (
     LineageError,
     NoCheckpointError,
 )
-from ckptpilot.storage.archive import (
+from ckptpilot.storage.lineage import Lineage
+from ckptpilot.tiers.base import CheckpointImage
+from ckptpilot.tiers.memory import MemoryTier
+from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier
+from ckptpilot.tiers.remote.archive import (
     ArchiveListing,
     checkpoint_name,
     list_archives,
@@ -45,11 +49,7 @@ from ckptpilot.storage.archive import (
     read_manifest,
     read_organ,
 )
-from ckptpilot.storage.lineage import Lineage
-from ckptpilot.tiers.base import CheckpointImage
-from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
 from ckptpilot.vocab import Level, RecoverySource, Status, Tier
 

@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ckptpilot.autoprune import remote_remover, sweep_removals
 from ckptpilot.catalog import Moves, write_pin
 from ckptpilot.dcp.format import parse_dcp_name
 from ckptpilot.dcp.storage import check_published, list_dcp, rows_of, verify_dcp
 from ckptpilot.dcp.storage import read_manifest as read_dcp_manifest
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError, LineageError
 from ckptpilot.policy import Policy
-from ckptpilot.retention import BestPolicy, execute_plan, plan_retention, repair
+from ckptpilot.retention.auto import remote_remover, sweep_removals
+from ckptpilot.retention.plan import BestPolicy, execute_plan, plan_retention, repair
 from ckptpilot.rundir import (
     aside_path,
     every_lease,
@@ -32,12 +32,12 @@ from ckptpilot.rundir import (
     read_run_id,
     run_identity,
 )
-from ckptpilot.storage.archive import parse_checkpoint_name, read_manifest, verify_organ
 from ckptpilot.storage.damaged import set_aside
 from ckptpilot.storage.lineage import Lineage, UnknownContinuationError, fork, read_lineage
 from ckptpilot.storage.metadata import CheckpointRow, MetadataCorruptError, MetadataStore
-from ckptpilot.tiers.entries import is_debris
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.archive import parse_checkpoint_name, read_manifest, verify_organ
+from ckptpilot.tiers.remote.entries import is_debris
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import CheckpointKey, Status, Tier
 
@@ -296,7 +296,7 @@ def _dcp_plan(store: MetadataStore, run: Run, step: int, name: str,
 
 def prune(policy: Policy, *, dry_run: bool, out: TextIO) -> int:
     """Apply the retention classes. A row whose location is not a checkpoint the tier may
-    delete (``tiers.entries``) is refused: one line names it and why, nothing of it is
+    delete (``tiers.remote.entries``) is refused: one line names it and why, nothing of it is
     deleted, the prune goes on with the other rows and exits 1."""
     run = Run(policy)
     best = policy.retention.best

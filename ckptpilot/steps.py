@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.capture.state import TrainingComponents
+from ckptpilot.guards.rollback import RollbackGuard
 from ckptpilot.policy import Policy
 from ckptpilot.probes.monitor import HealthMonitor
-from ckptpilot.rollback import RollbackGuard
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.scheduler.decision import CheckpointDecision
-from ckptpilot.state import TrainingComponents
 from ckptpilot.storage.heartbeat import HeartbeatWriter
 
 __all__ = ["StepDecider", "write_heartbeat"]

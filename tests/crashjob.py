@@ -33,8 +33,8 @@ from helpers import save_final_state, seeded_data
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
 from ckptpilot.fit.job import Net  # the same small real model `ckptpilot fit` trains
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def _die() -> None:

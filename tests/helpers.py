@@ -14,7 +14,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from ckptpilot.storage import archive
+from ckptpilot.tiers.remote import archive
 
 
 def archive_tensors(directory: Path) -> Path:

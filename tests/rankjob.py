@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ckptpilot import CheckpointPilot, CkptPilotError
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def digest(model: torch.nn.Module) -> str:

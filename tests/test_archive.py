@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from ckptpilot import CheckpointFormatError, IntegrityError
-from ckptpilot.state import TrainingComponents, capture
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.capture.state import TrainingComponents, capture
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -151,7 +151,7 @@ def test_republishing_a_step_sets_the_old_one_aside(tier: RemoteTier) -> None:
 
 
 def test_uncheckpointable_dtype_is_named() -> None:
-    from ckptpilot.state import Snapshot
+    from ckptpilot.capture.state import Snapshot
 
     snap = Snapshot(step=1, tensors={"model/c": torch.zeros(2, dtype=torch.complex64)},
                     meta={"rank": 0, "world_size": 1})

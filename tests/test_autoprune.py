@@ -19,10 +19,10 @@ import yaml
 from helpers import assert_states_bit_equal
 
 from ckptpilot import CheckpointPilot, load_policy
-from ckptpilot.retention import plan_room
-from ckptpilot.storage import archive
+from ckptpilot.retention.plan import plan_room
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 SCHEDULER = {"base_interval": 2, "min_interval": 1, "max_interval": 100, "young_daly": False,
              "organ_every": 3, "weights": {"loss": 1.0, "grad": 0.0, "system": 0.0},
@@ -116,7 +116,7 @@ CHILD = textwrap.dedent("""\
     import os, signal, sys
     sys.path.insert(0, sys.argv[3])
     from test_autoprune import Run
-    from ckptpilot.tiers import remote as remote_module
+    from ckptpilot.tiers.remote import store as remote_module
 
     real = remote_module.RemoteTier.remove
     def killed_mid_prune(self, name, **checkpoint):

@@ -108,7 +108,7 @@ def test_while_training_waits_the_idle_threads_run_niced_and_go_back_to_idle_aft
 @linux_idle
 def test_back_pressure_lifts_a_starved_save(tmp_path: Path, idle: None) -> None:
     """A writer whose slot is taken waits under urgent(): the save it waits for runs niced."""
-    from ckptpilot.writer import CheckpointWriter
+    from ckptpilot.save.writer import CheckpointWriter
 
     slots = threading.BoundedSemaphore(1)
     writer = CheckpointWriter.__new__(CheckpointWriter)
@@ -146,7 +146,7 @@ def test_the_load_test_worker_runs_niced() -> None:
 def test_a_child_forked_after_hashing_hashes_on_threads_of_its_own(tmp_path: Path) -> None:
     """The parent's hashing threads do not exist in a forked child (torch.multiprocessing's
     fork start, a launcher that forks): work handed to the inherited pool would never run."""
-    from ckptpilot.tiers.remote import RemoteTier
+    from ckptpilot.tiers.remote.store import RemoteTier
 
     tier = RemoteTier(str(tmp_path))
     data = [bytes(range(256)) * 4096 * 3]  # 3 MiB
@@ -177,7 +177,7 @@ def test_a_save_that_waits_too_long_for_idle_cores_is_lifted_until_it_is_done(
     (no back-pressure yet): past the writer's patience it runs at nice 10 until done."""
     from concurrent.futures import Future
 
-    from ckptpilot.writer import PATIENCE_SECONDS, CheckpointWriter, _Job
+    from ckptpilot.save.writer import PATIENCE_SECONDS, CheckpointWriter, _Job
 
     writer = CheckpointWriter.__new__(CheckpointWriter)
     writer._jobs, writer._lifted, writer.saves = deque(), None, []

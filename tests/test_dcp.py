@@ -57,7 +57,7 @@ from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpoint
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.rundir import read_run_id
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
 WORLD = 2

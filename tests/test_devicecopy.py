@@ -1,4 +1,5 @@
-"""The ordering of a capture's device-to-host copies, proven on CPU (``ckptpilot.devicecopy``).
+"""The ordering of a capture's device-to-host copies, proven on CPU
+(``ckptpilot.capture.devicecopy``).
 
 A lazy copier stands in for the CUDA side streams: it treats the model's parameters and
 buffers, the optimizer's state and the extras' tensors as "device" tensors, and copies
@@ -18,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptpilot import CheckpointPilot, devicecopy
-from ckptpilot.devicecopy import Pairs, StepFences
-from ckptpilot.state import TrainingComponents, capture
+from ckptpilot import CheckpointPilot
+from ckptpilot.capture import devicecopy
+from ckptpilot.capture.devicecopy import Pairs, StepFences
+from ckptpilot.capture.state import TrainingComponents, capture
 
 BN = {"model/1.running_mean", "model/1.running_var", "model/1.num_batches_tracked"}
 
@@ -58,7 +60,7 @@ class LazyFence:
 
 
 class LazyCopier:
-    """A :class:`~ckptpilot.devicecopy.DeviceCopier` whose "device" is the tensors that
+    """A :class:`~ckptpilot.capture.devicecopy.DeviceCopier` whose "device" is the tensors that
     ``device_tensors()`` lists (CPU tensors, told apart by their memory)."""
 
     def __init__(self, device_tensors: Callable[[], Iterator[torch.Tensor]]) -> None:

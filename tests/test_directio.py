@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ckptpilot.format.digest import is_chunked
-from ckptpilot.tiers.directio import BUFFER_BYTES, DirectWriter
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.directio import BUFFER_BYTES, DirectWriter
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def _direct_supported(directory: Path) -> bool:

@@ -31,17 +31,17 @@ from typing import Any
 import pytest
 import torch
 
+from ckptpilot.capture.state import Snapshot
 from ckptpilot.codecs import Codec, get_codec
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 from ckptpilot.format.digest import READ_DIGESTS, ReadDigest
 from ckptpilot.format.image import ImageMeta
 from ckptpilot.format.ledger_line import parse_line
 from ckptpilot.format.manifest import build_manifest, decode_manifest, encode_manifest
-from ckptpilot.state import Snapshot
-from ckptpilot.storage import archive
 from ckptpilot.storage.heartbeat import HeartbeatWriter, read_all
 from ckptpilot.storage.ledger import FailureLedger, Interruption, Rollback
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Level, RetentionClass
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format"

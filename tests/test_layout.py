@@ -1,5 +1,6 @@
-"""The package's shape (issue 12): the pilot is a small facade on top, and the save and
-restore paths run one way down through the modules, never back up to the pilot.
+"""The package's shape (issues 12 and 25): the pilot is a small facade on top, the save and
+restore paths run one way down through the modules, never back up to the pilot; storage sits
+below the tiers, the remote tier is one folder, and no module is over 600 lines.
 
 Read from the source with ``ast`` (imports inside functions count too), so a lazy import
 cannot hide a climb back up.
@@ -56,8 +57,8 @@ def test_the_pilot_is_a_facade_of_at_most_400_lines() -> None:
 
 
 def test_the_save_and_restore_paths_never_climb_back_to_the_pilot() -> None:
-    for start in ("ckptpilot.writer", "ckptpilot.restorer", "ckptpilot.saveplan",
-                  "ckptpilot.catalog", "ckptpilot.rollback", "ckptpilot.agreement",
+    for start in ("ckptpilot.save.writer", "ckptpilot.restorer", "ckptpilot.save.plan",
+                  "ckptpilot.catalog", "ckptpilot.guards.rollback", "ckptpilot.agreement",
                   "ckptpilot.lifecycle"):
         assert start in MODULES, start
         climbs = reachable(start) & TOP
@@ -75,7 +76,7 @@ def test_the_ground_floor_modules_import_nothing_above_them() -> None:
     assert GRAPH["ckptpilot.vocab"] == set()
     assert GRAPH["ckptpilot.errors"] == set()
     assert GRAPH["ckptpilot.background"] == set()  # thread priority, used by format.digest
-    assert GRAPH["ckptpilot.devicecopy"] == set()  # under state.py: copies and their order
+    assert GRAPH["ckptpilot.capture.devicecopy"] == set()  # under state.py: copies and their order
     for name, deps in GRAPH.items():
         if name.startswith(("ckptpilot.format", "ckptpilot.codecs")):
             above = {d for d in deps if not d.startswith(
@@ -89,11 +90,46 @@ def test_the_import_graph_has_no_cycle() -> None:
         assert name not in reachable(name) or name == "ckptpilot", f"{name} is in a cycle"
 
 
-def test_a_module_over_600_lines_says_why_at_its_top() -> None:
+OVER_600_PENDING = {
+    "ckptpilot.tiers.peer.client": "the peer helper's pending split of client.py (issue 25)",
+    "ckptpilot.tiers.peer.registry": "604 lines, in the peer helper's area (issue 25)",
+}
+"""Modules still over 600 lines while another change splits them; each entry must still be
+over the limit, so that the exemption goes as soon as its split lands."""
+
+
+def test_no_module_is_over_600_lines() -> None:
+    over = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    over = {name: lines for name, lines in over.items() if lines > 600}
+    unexplained = {name: lines for name, lines in over.items() if name not in OVER_600_PENDING}
+    assert unexplained == {}, f"split these modules (600 lines at most): {unexplained}"
+    stale = sorted(set(OVER_600_PENDING) - set(over))
+    assert stale == [], f"{stale} are 600 lines or fewer now: drop them from OVER_600_PENDING"
+
+
+def test_no_module_explains_its_length_instead_of_being_split() -> None:
     for name, path in MODULES.items():
-        text = path.read_text()
-        if len(text.splitlines()) > 620:
-            docstring = ast.get_docstring(ast.parse(text)) or ""
-            assert "Long because" in docstring, (
-                f"{name} has {len(text.splitlines())} lines: split it, or say at its top why "
-                "it is one module (a paragraph starting 'Long because')")
+        if name in OVER_600_PENDING:
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "Long because" not in docstring, f"{name}: split it instead"
+
+
+def test_storage_is_below_the_tiers() -> None:
+    """``storage/`` holds the run's own records (metadata, heartbeat, ledger, lineage); the
+    tiers and their formats sit above it, so nothing in it reaches up into ``tiers/``."""
+    for name, deps in GRAPH.items():
+        if name.startswith("ckptpilot.storage"):
+            above = sorted(d for d in deps if d.startswith("ckptpilot.tiers"))
+            assert above == [], f"{name} imports {above}"
+
+
+def test_the_remote_tier_lives_in_one_folder() -> None:
+    """Every module of the remote tier is under ``tiers/remote/``; nothing else in ``tiers/``
+    but the protocol, the memory tier and the peer tier."""
+    assert {"ckptpilot.tiers.remote.store", "ckptpilot.tiers.remote.archive",
+            "ckptpilot.tiers.remote.tier", "ckptpilot.tiers.remote.entries"} <= set(MODULES)
+    flat = {name for name in MODULES if name.count(".") == 2 and name.startswith(
+        "ckptpilot.tiers.")}
+    assert flat == {"ckptpilot.tiers.base", "ckptpilot.tiers.memory", "ckptpilot.tiers.peer",
+                    "ckptpilot.tiers.remote"}, flat

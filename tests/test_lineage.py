@@ -25,8 +25,8 @@ from ckptpilot import NoCheckpointError
 from ckptpilot.cli import main as cli_main
 from ckptpilot.errors import LineageError, RunIdError
 from ckptpilot.rundir import RUN_ID_FILE, lineage_path
-from ckptpilot.storage import archive
 from ckptpilot.storage.lineage import fork, read_lineage
+from ckptpilot.tiers.remote import archive
 
 HERE = Path(__file__).parent
 DB_FILES = ("metadata.sqlite", "metadata.sqlite-wal", "metadata.sqlite-shm")

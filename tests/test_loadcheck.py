@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from ckptpilot.capture.state import TrainingComponents, capture
 from ckptpilot.codecs import get_codec
-from ckptpilot.state import TrainingComponents, capture
-from ckptpilot.storage.archive import STATE_FILE, TENSORS_FILE, model_layout, stage_organ
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.archive import STATE_FILE, TENSORS_FILE, model_layout, stage_organ
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.loadcheck import LoadChecker
 
 

@@ -19,9 +19,8 @@ import sqlalchemy as sa
 from ckptpilot.catalog import Moves
 from ckptpilot.errors import NoCheckpointError
 from ckptpilot.policy import RetentionPolicy
-from ckptpilot.retention import execute_plan, plan_retention
+from ckptpilot.retention.plan import execute_plan, plan_retention
 from ckptpilot.storage import metadata, schema
-from ckptpilot.storage.archive import checkpoint_name
 from ckptpilot.storage.metadata import (
     SCHEMA_VERSION,
     DuplicateCheckpointError,
@@ -32,6 +31,7 @@ from ckptpilot.storage.metadata import (
     StatusTransitionError,
     Tier,
 )
+from ckptpilot.tiers.remote.archive import checkpoint_name
 from ckptpilot.vocab import CheckpointKey, Level, RetentionClass
 
 

@@ -18,8 +18,8 @@ import torch
 from peerdaemons import KEY, SECRET_FILE, Daemon, call, revive, start, stop_all
 
 from ckptpilot import CheckpointPilot, RecoverySource
+from ckptpilot.capture.state import HostBufferPool
 from ckptpilot.errors import IntegrityError
-from ckptpilot.state import HostBufferPool
 from ckptpilot.tiers.base import CheckpointImage
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier

@@ -24,8 +24,8 @@ from ckptpilot import (
     RecoverySource,
     ResumableSampler,
 )
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def policy_file(tmp_path: Path, interval: int = 5, max_pending: int = 2, tb: bool = False,
@@ -324,7 +324,7 @@ def test_peak_host_memory_stays_within_the_in_flight_bound(tmp_path: Path, level
 
 def rot_after_writing(monkeypatch: pytest.MonkeyPatch, *, step: int) -> None:
     """The disk flips a bit of ``step``'s tensors file after the write returned."""
-    import ckptpilot.writer as writer_module
+    import ckptpilot.save.writer as writer_module
 
     original = writer_module.stage_organ
 

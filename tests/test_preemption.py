@@ -19,9 +19,9 @@ from helpers import assert_states_bit_equal, start_ddp_ranks
 from ckptpilot import CheckpointPilot
 from ckptpilot.policy import Policy, PreemptionPolicy
 from ckptpilot.report import build_report, read_records
-from ckptpilot.storage import archive
 from ckptpilot.storage.ledger import FailureLedger
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import ExitStatus
 
 JOB = Path(__file__).with_name("crashjob.py")

@@ -11,13 +11,13 @@ import torch
 from helpers import assert_states_bit_equal
 
 from ckptpilot import CheckpointPilot, RecoverySource
+from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.codecs import read_index
 from ckptpilot.rundir import read_run_id
-from ckptpilot.state import HostBufferPool, Snapshot
-from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def policy_file(tmp_path: Path, *, memory: bool = True, memory_max: str = "1GiB",

@@ -14,12 +14,12 @@ from test_pilot import policy_file
 from test_restore_hardening import ckpt_dir, model_bits, trained
 
 from ckptpilot import CheckpointPilot, NoCheckpointError
+from ckptpilot.capture.state import Snapshot
 from ckptpilot.errors import CheckpointFormatError, IntegrityError
 from ckptpilot.format.digest import CHUNK_BYTES, READ_DIGESTS, ReadDigest
 from ckptpilot.format.manifest import encode_manifest, manifest_digest
-from ckptpilot.state import Snapshot
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 NAMES = {"sha256": "SHA256", "xxh3": "XXH3-128"}
 

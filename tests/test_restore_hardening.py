@@ -23,8 +23,8 @@ from test_pilot import Job
 from ckptpilot import CheckpointPilot, NoCheckpointError, RecoverySource, StateError
 from ckptpilot.cli import main as cli_main
 from ckptpilot.rundir import RUN_ID_FILE, RunDirBusyError, RunLease
-from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore, Status
+from ckptpilot.tiers.remote import archive
 
 HERE = Path(__file__).parent
 
@@ -443,7 +443,7 @@ def test_close_stops_the_writer_before_the_clean_end_and_the_store_last(
     """The clean end goes into the ledger only once nothing more can be written, so a close
     that hangs or dies earlier leaves the run an interruption, never a clean end."""
     from ckptpilot.lifecycle import RunLifecycle
-    from ckptpilot.writer import CheckpointWriter
+    from ckptpilot.save.writer import CheckpointWriter
 
     order: list[str] = []
 

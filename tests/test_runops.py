@@ -19,8 +19,8 @@ from helpers import archive_tensors
 from ckptpilot import CheckpointPilot, load_policy
 from ckptpilot.cli import main
 from ckptpilot.rundir import read_run_id
-from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore
+from ckptpilot.tiers.remote import archive
 
 
 def policy_file(tmp_path: Path) -> Path:

@@ -29,8 +29,8 @@ import yaml
 
 from ckptpilot import CheckpointPilot, Policy, PolicyError, load_policy, runops
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
-from ckptpilot.storage import archive
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive
+from ckptpilot.tiers.remote.store import RemoteTier
 
 pytestmark = pytest.mark.integration
 s3fs = pytest.importorskip("s3fs")
@@ -175,8 +175,8 @@ CHILD = textwrap.dedent("""\
     import os, signal, sys
     import torch
     from ckptpilot import CheckpointPilot, load_policy
-    from ckptpilot import writer
-    from ckptpilot.storage import archive
+    from ckptpilot.save import writer
+    from ckptpilot.tiers.remote import archive
 
     def killed_before_the_manifest(tier, staged):
         if staged.manifest["step"] == int(sys.argv[3]):

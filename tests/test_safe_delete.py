@@ -1,6 +1,6 @@
 """Nothing but a checkpoint is ever deleted (issue 28, point 1): every deleting path ends in
 ``RemoteTier.remove``, which removes only an entry of the tier that has a checkpoint's name
-and holds that checkpoint's manifest (``tiers.entries``), renamed out of its name before its
+and holds that checkpoint's manifest (``tiers.remote.entries``), renamed out of its name before its
 files go. Real run directories, real SQLite tampered with ``sqlite3``, the real CLI in a
 subprocess, real links and immutable files (``chattr +i``, which stops root too)."""
 
@@ -24,13 +24,12 @@ import torch
 from test_autoprune import Run, write_policy
 from test_runops import cli, make_pilot, policy_file, train, tree_digest
 
+from ckptpilot.capture.state import TrainingComponents, capture
 from ckptpilot.dcp.format import DCP_METADATA_FILE, dcp_name, parse_dcp_name
 from ckptpilot.errors import CheckpointFormatError, RemovalRefusedError
-from ckptpilot.state import TrainingComponents, capture
-from ckptpilot.storage import archive
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers import entries
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote import archive, entries
+from ckptpilot.tiers.remote.store import RemoteTier
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckptpilot"
 
@@ -473,7 +472,7 @@ def test_every_name_the_writers_make_is_one_the_removal_knows(tmp_path: Path) ->
     assert entries.is_debris(staged.name)
     aside = tier.set_aside(staged.name, "corrupted", label=archive.checkpoint_name(1, 0))
     assert entries.parse_entry(aside) is not None and not entries.is_debris(aside)
-    with pytest.raises(ValueError, match=_re("'kept' is not a reason tiers.entries knows")):
+    with pytest.raises(ValueError, match=_re("'kept' is not a reason tiers.remote.entries knows")):
         tier.set_aside(aside, "kept")
     for written in (archive.TENSORS_FILE, archive.CONTAINER_FILE, archive.STATE_FILE,
                     archive.MANIFEST_FILE, DCP_METADATA_FILE, "__0_0.distcp", "__17_0.distcp"):
@@ -484,7 +483,7 @@ DELETERS = {("shutil", "rmtree"), ("os", "remove"), ("os", "unlink"), ("os", "rm
             ("os", "removedirs")}
 DELETING_METHODS = {"rm", "rm_file", "rmdir", "unlink", "delete", "rmtree"}
 NOT_CHECKPOINTS = {
-    "ckptpilot.tiers.entries": "the one place checkpoints are deleted",
+    "ckptpilot.tiers.remote.entries": "the one place checkpoints are deleted",
     "ckptpilot.probes.fsync": "its own probe file",
     "ckptpilot.rundir": "the temporary file of the run id's atomic creation",
     "ckptpilot.catalog": "the recover pin file",
@@ -517,7 +516,7 @@ def test_nothing_but_tiers_entries_deletes_checkpoint_files() -> None:
                 found.setdefault(module, []).append(f"{path.name}:{node.lineno}")
     unexplained = {m: where for m, where in found.items() if m not in NOT_CHECKPOINTS}
     assert unexplained == {}, unexplained
-    assert "ckptpilot.tiers.entries" in found  # the scan sees deletions at all
+    assert "ckptpilot.tiers.remote.entries" in found  # the scan sees deletions at all
 
 
 def _snapshot(step: int, rank: int = 0):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import pytest
 from test_s3 import _model, _options, _policy_file, _train, bucket, s3_endpoint
 
 from ckptpilot import CheckpointPilot, load_policy, runops
-from ckptpilot.storage import archive
+from ckptpilot.tiers.remote import archive
 
 pytestmark = pytest.mark.integration
 s3fs = pytest.importorskip("s3fs")

@@ -44,7 +44,7 @@ from ckptpilot.rundir import read_run_id
 from ckptpilot.sampler import ResumableSampler
 from ckptpilot.sharded import resume_cursor
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import RecoverySource, Status
 
 SAVED_WORLD = 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptpilot import ResumableSampler, StateError
-from ckptpilot.state import HostBufferPool, TrainingComponents, apply, capture
+from ckptpilot.capture.state import HostBufferPool, TrainingComponents, apply, capture
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

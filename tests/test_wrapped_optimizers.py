@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptpilot import CheckpointPilot, load_policy
-from ckptpilot.state import unwrap_optimizer
+from ckptpilot.capture.state import unwrap_optimizer
 
 
 def _model() -> torch.nn.Module:

@@ -4,7 +4,7 @@ the encoding of each item.
 Owns, and keeps pure (no I/O):
 
 - the directory name ``dcp_step_{step:08d}`` — one directory per step holding every rank's
-  part, as DCP requires; it never parses as a per-rank archive name (``storage.archive``), so
+  part, as DCP requires; it never parses as a per-rank archive name (``tiers.remote.archive``), so
   the pilot's listings and ``restore()`` do not mistake one for the other;
 - the commit file ``manifest.json`` (format ``ckptpilot-dcp``, version 2; version 1 still
   read): DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON, so that
@@ -60,7 +60,7 @@ from ckptpilot.codecs.registry import decode_blob
 from ckptpilot.dcp.values import canonical, decode_value
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.format.manifest import decode_self_digested
-from ckptpilot.tiers.remote import COMMIT_FILE
+from ckptpilot.tiers.remote.store import COMMIT_FILE
 
 __all__ = [
     "DCP_FORMAT",

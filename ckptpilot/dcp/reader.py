@@ -67,7 +67,7 @@ from ckptpilot.errors import CheckpointFormatError, NoCheckpointError
 from ckptpilot.policy import Policy
 from ckptpilot.rundir import metadata_path, read_run_id
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
 __all__ = ["Reader", "recorded_rows", "usable_steps"]

@@ -31,8 +31,8 @@ from ckptpilot.dcp.format import (
 from ckptpilot.errors import CheckpointFormatError, IntegrityError, PolicyError
 from ckptpilot.policy import Policy, load_policy
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
-from ckptpilot.tiers.entries import refuse_links
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.entries import refuse_links
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
 __all__ = [

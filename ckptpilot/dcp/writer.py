@@ -86,7 +86,7 @@ from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.policy import Policy
 from ckptpilot.rundir import metadata_path, run_identity
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers.remote import HashingWriter
+from ckptpilot.tiers.remote.store import HashingWriter
 from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Tier
 
 __all__ = ["Writer"]

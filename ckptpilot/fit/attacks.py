@@ -40,10 +40,10 @@ from ckptpilot.fit.checks import (
 )
 from ckptpilot.fit.harness import Harness, Trial
 from ckptpilot.rundir import metadata_path
-from ckptpilot.storage.archive import checkpoint_name, list_archives
 from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier, PeerTier
 from ckptpilot.tiers.peer.auth import load_secret
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.archive import checkpoint_name, list_archives
+from ckptpilot.tiers.remote.store import RemoteTier
 
 
 def holders_of(saves: list[dict[str, Any]], step: int) -> list[str]:

@@ -214,7 +214,7 @@ def run_incident(h: Harness, incident: Incident, ref: Reference, nproc: int,
 def common_published(trial: Trial) -> int:
     """The newest step every rank has published on the remote tier (0: none): what a job
     launched again must restore when nothing else says which saves completed."""
-    from ckptpilot.storage.archive import list_archives
+    from ckptpilot.tiers.remote.archive import list_archives
 
     remote = trial.remote()
     held = [{step for step, _ in list_archives(remote, r).published}

@@ -37,7 +37,7 @@ import yaml
 
 from ckptpilot.fit.peers import PeerCluster
 from ckptpilot.policy import Policy, load_policy
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 
 STEPS = 60
 INTERVAL = 10

@@ -21,7 +21,7 @@ from ckptpilot.fit.harness import Trial
 from ckptpilot.fit.incident import FAULT_STEP, Act, Damage, Expect, Incident, Scene
 from ckptpilot.fit.scenarios import empty_tensors, flip_tensors_bit, truncate_tensors
 from ckptpilot.rundir import metadata_path
-from ckptpilot.storage.archive import MANIFEST_FILE, checkpoint_name
+from ckptpilot.tiers.remote.archive import MANIFEST_FILE, checkpoint_name
 
 LAST = -1
 """A rank number in an incident: the highest rank of the job."""
@@ -72,7 +72,7 @@ def stale_copy(trial: Trial, step: int, rank: int) -> str:
 
 
 def _published(trial: Trial, rank: int) -> list[int]:
-    from ckptpilot.storage.archive import list_archives
+    from ckptpilot.tiers.remote.archive import list_archives
 
     return [s for s, _ in list_archives(trial.remote(), rank).published]
 

@@ -51,20 +51,20 @@ import safetensors.torch
 import torch
 
 from ckptpilot import CheckpointPilot, CkptPilotError, ResumableSampler, load_policy
-from ckptpilot import state as state_module
+from ckptpilot.capture import state as state_module
 from ckptpilot.fit import rankfaults
 from ckptpilot.fit.harness import read_losses
 from ckptpilot.probes.gpu import DeviceReading, GpuHealthProvider, GpuReading
 from ckptpilot.probes.monitor import FROM_POLICY
-from ckptpilot.storage.archive import (
+from ckptpilot.tiers.peer import PeerTier
+from ckptpilot.tiers.remote.archive import (
     CONTAINER_FILE,
     MANIFEST_FILE,
     TENSORS_FILE,
     checkpoint_name,
     parse_checkpoint_name,
 )
-from ckptpilot.tiers.peer import PeerTier
-from ckptpilot.tiers.remote import STAGING_MARK, HashingWriter, RemoteTier
+from ckptpilot.tiers.remote.store import STAGING_MARK, HashingWriter, RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 
 WRITE_WAITS = {"kill-write": None, "kill-write-after-rank0": "rank0-published",

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ckptpilot.storage.archive import MANIFEST_FILE, checkpoint_name, parse_checkpoint_name
-from ckptpilot.tiers.remote import STAGING_MARK, RemoteTier
+from ckptpilot.tiers.remote.archive import MANIFEST_FILE, checkpoint_name, parse_checkpoint_name
+from ckptpilot.tiers.remote.store import STAGING_MARK, RemoteTier
 
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 FAULTS = ("kill-fsync", "kill-staged", "kill-publish-all", "clock-back", "stop-mid-step")

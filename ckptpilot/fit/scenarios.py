@@ -58,12 +58,12 @@ from ckptpilot.fit.checks import (
 from ckptpilot.fit.harness import Harness, Trial
 from ckptpilot.fit.job import EXIT_ERROR
 from ckptpilot.rundir import metadata_path
-from ckptpilot.storage.archive import (
+from ckptpilot.tiers.remote.archive import (
     CONTAINER_FILE,
     TENSORS_FILE,
     checkpoint_name,
 )
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 
 # -- SIGKILL of the training process -------------------------------------------------------
 

@@ -50,7 +50,8 @@ SAFETENSORS_NAMES = {
     "float8_e5m2": "F8_E5M2",
 }
 """The safetensors name of each dtype name a checkpoint can store: layouts are compared in
-these names, whatever the file kind (``storage.archive.safetensors_dtype`` for torch dtypes)."""
+these names, whatever the file kind (``tiers.remote.archive.safetensors_dtype`` for torch
+dtypes)."""
 
 _T = TypeVar("_T")
 

@@ -1,6 +1,6 @@
 """The remote archive's manifest: the JSON file that makes an archive directory a checkpoint.
 
-An archive (``storage/archive.py``) is complete only once its manifest is there; the manifest
+An archive (``tiers/remote/archive.py``) is complete only once its manifest is there; the manifest
 names the format and its version, the checkpoint (name, step, rank), why and how it was kept
 (level, reason, retention class, score), and the size and digests of every other file
 (version 3: the SHA256 and the XXH3-128 of every chunk, ``format.digest``; version 2, still

@@ -1,7 +1,7 @@
 """The safetensors header checks, without torch.
 
 Owns: the bound on a header's size and the check that a header's tensors fit the data that
-is really there. Must not: decode tensors (``storage.archive`` does, with torch). It imports
+is really there. Must not: decode tensors (``tiers.remote.archive`` does, with torch). It imports
 no torch so that the load-test worker's default mode, which reads only headers and JSON, runs
 without it (``validation.loadcheck``).
 """
@@ -22,7 +22,7 @@ ELEMENT_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
 }
-"""Bytes per element of every safetensors dtype ckptpilot writes (``storage.archive`` maps
+"""Bytes per element of every safetensors dtype ckptpilot writes (``tiers.remote.archive`` maps
 each to its torch dtype; a test keeps the two in step)."""
 
 

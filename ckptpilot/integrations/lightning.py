@@ -28,10 +28,10 @@ import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import Callback
 
+from ckptpilot.capture.state import Stateful
 from ckptpilot.errors import StateError
 from ckptpilot.pilot import CheckpointPilot
 from ckptpilot.policy import Policy
-from ckptpilot.state import Stateful
 
 __all__ = ["CheckpointPilotCallback"]
 

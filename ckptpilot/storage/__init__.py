@@ -1,6 +1,5 @@
-"""What ckptpilot persists as files: one on-disk format per module, with its version and damage.
+"""The run's own records as files: one on-disk format per module, with its version and damage.
 
-- ``archive.py``: the organ archive, a self-contained checkpoint directory on the remote tier;
 - ``metadata.py``: the SQLite metadata store (checkpoint rows, hash chain, audit trail), on
   ``database.py`` (the file, its locking and errors), ``schema.py`` (tables, migrations) and
   ``rows.py`` (the frozen rows it hands out);
@@ -16,5 +15,7 @@ stay pure (it receives the MTBF as a number). They are not in ``rundir.py`` eith
 owns only the run's identity and lease, not any format a run's history is kept in.
 
 Nothing here decides when to save, what to keep or what to load: the scheduler, retention and
-recovery planners decide, the pilot calls these modules to read and write.
+recovery planners decide, the pilot calls these modules to read and write. The checkpoints
+themselves (the organ archive) belong to their tier (``tiers/remote/archive.py``), which sits
+above this package: nothing here imports from ``tiers/``.
 """

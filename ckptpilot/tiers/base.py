@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ckptpilot.capture.state import Snapshot, arena_views
 from ckptpilot.format.image import Layout
-from ckptpilot.state import Snapshot, arena_views
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
 __all__ = ["CheckpointImage", "CheckpointTier", "Layout", "PutReceipt", "TierCapabilities"]

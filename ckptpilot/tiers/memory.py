@@ -4,8 +4,8 @@ Restoring from it costs a memory copy: a run that rolls back in process (a loss 
 NaN) needs no storage at all, and the peer tier computes its deltas against it. It holds the
 snapshot buffers themselves, no copy: when a save has been validated its buffers move here and
 the buffers of the checkpoint they replace go back to the snapshot pool
-(:class:`~ckptpilot.state.HostBufferPool`), which owns every buffer set and may take the held
-one back for a capture (:meth:`MemoryTier.reclaim`) — so the tier never adds host memory
+(:class:`~ckptpilot.capture.state.HostBufferPool`), which owns every buffer set and may take
+the held one back for a capture (:meth:`MemoryTier.reclaim`) — so the tier never adds host memory
 beyond the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it keeps.
 
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 
+from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.errors import IntegrityError, NoCheckpointError
-from ckptpilot.state import HostBufferPool, Snapshot
 from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.vocab import Level, RetentionClass, Tier

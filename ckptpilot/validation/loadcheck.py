@@ -360,7 +360,7 @@ def _load_torch() -> None:
     import torch
 
     from ckptpilot.codecs import container  # noqa: F401
-    from ckptpilot.storage import archive  # noqa: F401
+    from ckptpilot.tiers.remote import archive  # noqa: F401
 
     torch.set_num_threads(1)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.policy import ValidationPolicy
-from ckptpilot.storage.archive import check_sizes, verify_organ
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.archive import check_sizes, verify_organ
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.loadcheck import LoadChecker, LoadCheckResult
 
 

@@ -30,7 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from ckptpilot import PolicyError, StateError, load_policy
 from ckptpilot.integrations.hf import CheckpointPilotCallback
-from ckptpilot.retention import BestPolicy, plan_retention
+from ckptpilot.retention.plan import BestPolicy, plan_retention
 from ckptpilot.runops import Run
 from ckptpilot.storage.metadata import CheckpointRow
 

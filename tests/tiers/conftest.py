@@ -21,14 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: peerdaem
 
 from peerdaemons import KEY, Daemon, call, revive, start, stop_all
 
-from ckptpilot.state import HostBufferPool
-from ckptpilot.tiers.archive import RemoteCheckpointTier
+from ckptpilot.capture.state import HostBufferPool
 from ckptpilot.tiers.base import CheckpointTier, TierCapabilities
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable
 from ckptpilot.tiers.peer.client import PeerCheckpointTier
 from ckptpilot.tiers.peer.protocol import Op
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
+from ckptpilot.tiers.remote.tier import RemoteCheckpointTier
 
 PEERS = 3
 

@@ -14,8 +14,8 @@ import torch
 from conftest import Backend
 from peerdaemons import KEY, Daemon, revive
 
+from ckptpilot.capture.state import HostBufferPool
 from ckptpilot.errors import IntegrityError, NoCheckpointError, StateError
-from ckptpilot.state import HostBufferPool
 from ckptpilot.tiers.base import (
     CheckpointImage,
     CheckpointTier,

@@ -22,7 +22,7 @@ trainer's metadata row keeps a SHA256 over the put's meta and the digests the tr
 computed as it sent (``client.stripe_record``), and the restorer proves the fetched copy
 against it. That stops a peer that replaces shards and recomputes their digests; it still
 rests on XXH3-128 against crafted second preimages, which XXH3 does not promise (the durable
-archive's self-digested SHA256 manifest, ``storage/archive.py``, does). XXH3 was chosen
+archive's self-digested SHA256 manifest, ``tiers/remote/archive.py``, does). XXH3 was chosen
 because it is an order of magnitude faster than SHA256 on one core, so hashing stays off the
 critical path of a put and a fetch.
 """

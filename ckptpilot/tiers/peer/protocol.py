@@ -46,10 +46,6 @@ to parse are malformed JSON like any other.
 Zero copy: a frame is sent with ``sendmsg`` of the header and the caller's buffers as they
 are (a shard is a view of the image), and received with ``recv_into`` straight into its
 destination; no payload passes through an intermediate ``bytes`` object.
-
-Long because the frame layout, the checks of every op's header, and the code that writes and
-reads frames must agree byte for byte: one module keeps one definition of the format, as a
-reader of the protocol needs it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ thread.
 
 This module owns :class:`CheckpointWriter` and :class:`SaveRecord`. One background thread
 waits for a snapshot's device copies (``Snapshot.fence``: nothing reads it before), then
-executes its :class:`~ckptpilot.saveplan.SavePlan` in one straight line per tier: encode →
+executes its :class:`~ckptpilot.save.plan.SavePlan` in one straight line per tier: encode →
 record ``pending`` → put → verify → publish and record ``valid`` (or set aside and record
 ``corrupted``, with an alert: the previous valid checkpoint stays the recovery point); then
 the snapshot's buffers stay in the memory tier or go back to the pool. Back-pressure: at most
@@ -35,26 +35,26 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ckptpilot.autoprune import AutoPruner, DiskBudgetError
 from ckptpilot.background import background_pool, lift, settle, urgent
+from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.catalog import Catalog
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.format.image import ImageMeta
-from ckptpilot.saveplan import SavePlan
-from ckptpilot.state import HostBufferPool, Snapshot
-from ckptpilot.storage.archive import (
+from ckptpilot.retention.auto import AutoPruner, DiskBudgetError
+from ckptpilot.save.plan import SavePlan
+from ckptpilot.telemetry import Telemetry
+from ckptpilot.tiers.memory import MemoryTier
+from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
+from ckptpilot.tiers.peer.client import FULL, stripe_record
+from ckptpilot.tiers.remote.archive import (
     StagedArchive,
     checkpoint_name,
     model_layout,
     publish_organ,
     stage_organ,
 )
-from ckptpilot.telemetry import Telemetry
-from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
-from ckptpilot.tiers.peer.client import FULL, stripe_record
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 from ckptpilot.vocab import Level, RetentionClass, Status, Tier
 
@@ -432,7 +432,7 @@ class CheckpointWriter:
         and mark ``corrupted``).
 
         An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
-        self-contained (see ``storage.archive``) — or as safetensors too when the codecs would
+        self-contained (see ``tiers.remote.archive``) — or as safetensors too when the codecs would
         save less transfer time at this tier's bandwidth than the container's extra hash pass
         costs."""
         intent, catalog, remote = plan.intent, self._catalog, self._remote

@@ -38,8 +38,8 @@ from typing import Any, NamedTuple, NoReturn
 from ckptpilot.catalog import Catalog
 from ckptpilot.lifecycle import RunLifecycle, hard_exit
 from ckptpilot.policy import PreemptionPolicy
+from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.vocab import ExitStatus, Status, StopCause, Tier
-from ckptpilot.writer import CheckpointWriter
 
 __all__ = ["Notice", "PreemptionGuard"]
 

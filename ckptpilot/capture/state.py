@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ckptpilot.devicecopy import CopyFence, DeviceCopier, copy_now
+from ckptpilot.capture.devicecopy import CopyFence, DeviceCopier, copy_now
 from ckptpilot.errors import StateError
 
 STATE_FORMAT_VERSION = 1
@@ -373,7 +373,7 @@ def capture(components: TrainingComponents, *, step: int, epoch: int | None = No
     """Copy the complete training state into host memory owned by the returned snapshot.
 
     Without ``copier`` every copy is done on return. With one (the pilot's
-    :class:`~ckptpilot.devicecopy.StepFences`, whose hooks keep the next steps behind the
+    :class:`~ckptpilot.capture.devicecopy.StepFences`, whose hooks keep the next steps behind the
     copies) the tensors it owns may still be copying: read the snapshot after
     ``snapshot.fence.wait()``.
     """

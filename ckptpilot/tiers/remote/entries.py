@@ -4,7 +4,7 @@ and the one way it is deleted (issue 28).
 Every deletion under a tier's root — retention during training and ``ckptpilot prune``, the
 disk budget, what ``recover`` set aside, the debris of a killed writer (the restorer, the
 sharded restore), the delete half of a "rename" on an object store, a tier's ``discard`` —
-ends in :meth:`RemoteTier.remove <ckptpilot.tiers.remote.RemoteTier.remove>`, which calls
+ends in :meth:`RemoteTier.remove <ckptpilot.tiers.remote.store.RemoteTier.remove>`, which calls
 :func:`remove_entry`; nothing else in the package deletes under a root (the architecture
 test ``tests/test_safe_delete.py`` reads the source for it). So a wrong path in a metadata
 row — tampered, damaged, or written by a bug — can reach nothing but a checkpoint.
@@ -30,7 +30,7 @@ The rule, checked before anything is touched (:func:`vet`); anything else is ref
 
 Order. Locally the directory is first renamed out of its name to ``<name>.removing-<hex>``
 beside it, then removed: a failed rename touches nothing (the error names the entry), and a
-removal cut short leaves a name the listings take for debris (``storage.archive``'s
+removal cut short leaves a name the listings take for debris (``tiers.remote.archive``'s
 ``list_archives``, :func:`sweep`), never a published-looking directory with files missing.
 An object store has no rename and publishes by the commit file, so there the commit file
 goes first (unpublished) and the data after it; a removal cut short leaves an unfinished

@@ -20,14 +20,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from ckptpilot.capture.state import Stateful
 from ckptpilot.catalog import Catalog
 from ckptpilot.errors import PolicyError, RollbackLimitError
 from ckptpilot.policy import RollbackPolicy
+from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.scheduler.spike import Spike, SpikeDetector
-from ckptpilot.state import Stateful
 from ckptpilot.storage.ledger import FailureLedger, Rollback
-from ckptpilot.writer import CheckpointWriter
 
 __all__ = ["RollbackGuard", "check_rollback_setup"]
 

@@ -15,7 +15,7 @@ name: the commit file (``manifest.json``), which the archive writes last.
 
 Nothing is deleted but through :meth:`RemoteTier.remove`, and it deletes only a checkpoint
 (its name, its manifest), in an order that never leaves a published checkpoint with files
-missing: ``tiers.entries`` has the rule and the order.
+missing: ``tiers.remote.entries`` has the rule and the order.
 
 ``storage_options`` go to fsspec as they are (endpoint, credentials, region); they are never
 logged — only the URL is.
@@ -23,10 +23,11 @@ logged — only the URL is.
 Off a local file system every operation that can be repeated as it is (a read of one object or
 a range of it, a listing, an ``exists``, the write of one object from bytes in hand) is retried
 on the errors of a network that fails and comes back (``tiers.remote.retries``, one log line a
-retry), then fails as ``RemoteIOError`` naming the URL and the cause (``tiers/retry.py``).
+retry), then fails as ``RemoteIOError`` naming the URL and the cause (``tiers/remote/retry.py``).
 
 One rank's view of it as a :class:`~ckptpilot.tiers.base.CheckpointTier` is
-``tiers.archive.RemoteCheckpointTier`` (it needs ``storage.archive``, which needs this module).
+``tiers.remote.tier.RemoteCheckpointTier`` (it needs ``tiers.remote.archive``, which needs this
+module).
 
 Threading: one writer thread and any number of readers; methods hold no shared state.
 """
@@ -59,10 +60,10 @@ from ckptpilot.format.digest import (
     is_chunked,
     read_digest,
 )
-from ckptpilot.tiers import entries
-from ckptpilot.tiers.directio import DirectWriter
-from ckptpilot.tiers.entries import COMMIT_FILE, STAGING_MARK
-from ckptpilot.tiers.retry import (
+from ckptpilot.tiers.remote import entries
+from ckptpilot.tiers.remote.directio import DirectWriter
+from ckptpilot.tiers.remote.entries import COMMIT_FILE, STAGING_MARK
+from ckptpilot.tiers.remote.retry import (
     NO_RETRIES,
     Retries,
     fs_options,
@@ -210,7 +211,7 @@ class RemoteTier:
     def publish(self, staging: str, final: str) -> None:
         """Make ``staging`` visible as ``final``; an existing ``final`` is set aside, not lost.
         Locally one rename; on an object store a copy of every file — the archive commits
-        there in place instead (``storage.archive.publish_organ``)."""
+        there in place instead (``tiers.remote.archive.publish_organ``)."""
         if self.fs.exists(self.path(final)):
             aside = self.set_aside(final, "replaced")
             log.warning("checkpoint %s already exists; moved it aside to %s", final, aside)
@@ -219,10 +220,10 @@ class RemoteTier:
     def set_aside(self, name: str, why: str, *, label: str | None = None) -> str:
         """Rename ``name`` to ``{label or name}.{why}-{random}``, a name no listing takes for
         a checkpoint (nor for staging debris); returns the new name. Keeps evidence instead
-        of deleting it. ``why`` is one of ``tiers.entries.SET_ASIDE_WHY``: a name whose reason
-        the removal rule does not know could never be pruned."""
+        of deleting it. ``why`` is one of ``tiers.remote.entries.SET_ASIDE_WHY``: a name whose
+        reason the removal rule does not know could never be pruned."""
         if not entries.SET_ASIDE_WHY.match(why):
-            raise ValueError(f"set_aside: {why!r} is not a reason tiers.entries knows")
+            raise ValueError(f"set_aside: {why!r} is not a reason tiers.remote.entries knows")
         aside = f"{label or name}.{why}-{uuid.uuid4().hex[:8]}"
         self._rename(self.path(name), self.path(aside))
         return aside
@@ -402,7 +403,7 @@ class RemoteTier:
 
     def remove(self, name: str, *, step: int | None = None, rank: int | None = None) -> None:
         """Remove the checkpoint entry ``name`` (a published checkpoint, a staging or
-        set-aside directory) — only when ``tiers.entries`` finds it is one, else
+        set-aside directory) — only when ``tiers.remote.entries`` finds it is one, else
         ``RemovalRefusedError`` and nothing is touched. ``step`` and ``rank``: the checkpoint
         the caller means to remove (a metadata row's), checked against the name and the
         manifest. Locally the directory leaves its name by a rename before its files go; on

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptpilot.capture.state import Snapshot
 from ckptpilot.codecs.container import (
     CodecFor,
     ContainerIndex,
@@ -47,9 +48,8 @@ from ckptpilot.format.manifest import (
     encode_manifest,
 )
 from ckptpilot.format.safetensors_header import MAX_HEADER_BYTES, check_safetensors_header
-from ckptpilot.state import Snapshot
-from ckptpilot.tiers.entries import REMOVING_MARK, refuse_links
-from ckptpilot.tiers.remote import COMMIT_FILE, STAGING_MARK, RemoteTier
+from ckptpilot.tiers.remote.entries import REMOVING_MARK, refuse_links
+from ckptpilot.tiers.remote.store import COMMIT_FILE, STAGING_MARK, RemoteTier
 
 TENSORS_FILE = "tensors.safetensors"
 CONTAINER_FILE = "tensors.ckpt"
@@ -185,7 +185,7 @@ class StagedArchive:
 
 def publish_organ(tier: RemoteTier, staged: StagedArchive) -> None:
     """Make a staged archive a checkpoint: the rename of its staging directory, or on an
-    object store the write of its manifest (see ``tiers.remote``)."""
+    object store the write of its manifest (see ``tiers.remote.store``)."""
     if staged.commit is None:
         tier.publish(staged.staging, staged.name)
     else:
@@ -260,7 +260,7 @@ def stage_organ(tier: RemoteTier, snapshot: Snapshot, *, level: str = "organ",
 
 def read_manifest(tier: RemoteTier, name: str) -> dict[str, Any]:
     """The archive's manifest, checked for format, version and its own digest; an archive
-    that is a link or holds one is refused (``tiers.entries.refuse_links``)."""
+    that is a link or holds one is refused (``tiers.remote.entries.refuse_links``)."""
     refuse_links(tier, name)
     where = tier.path(name, MANIFEST_FILE)
     if not tier.exists(f"{name}/{MANIFEST_FILE}"):

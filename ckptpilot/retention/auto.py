@@ -3,12 +3,12 @@
 
 This module owns :class:`AutoPruner`. The writer thread calls :meth:`AutoPruner.prune` after
 each save it published valid, and :meth:`AutoPruner.make_room` before it writes one to the
-remote tier; never the training thread. Both go through the pure planners of ``retention``
+remote tier; never the training thread. Both go through the pure planners of ``retention.plan``
 (``plan_retention``, ``plan_room``) and its crash-safe executor, exactly like
 ``ckptpilot prune``: a prune killed half-way leaves ``expired`` rows whose files the next
 prune removes (``repair``), never a ``valid`` row without its files. What a row's location
 names is deleted only when the tier finds it is that row's checkpoint
-(``tiers.entries``); a refused row is logged with the reason and left as it was.
+(``tiers.remote.entries``); a refused row is logged with the reason and left as it was.
 
 One rank decides for the shared storage: rank 0 has a pruner, the others none. It plans over
 every rank's rows, and the planner keeps the newest step that every rank holds, so what it
@@ -29,7 +29,7 @@ from typing import NamedTuple
 from ckptpilot.catalog import Moves
 from ckptpilot.errors import CkptPilotError, RemovalRefusedError
 from ckptpilot.policy import RetentionPolicy
-from ckptpilot.retention import (
+from ckptpilot.retention.plan import (
     BestPolicy,
     PruneReport,
     RetentionPlan,
@@ -39,8 +39,8 @@ from ckptpilot.retention import (
     repair,
 )
 from ckptpilot.storage.metadata import CheckpointRow, MetadataStore
-from ckptpilot.tiers.entries import location_entry, sweep
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.entries import location_entry, sweep
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Status, Tier
 
 __all__ = ["AutoPruner", "DiskBudgetError", "Remover", "remote_remover", "sweep_removals"]
@@ -56,7 +56,7 @@ class DiskBudgetError(CkptPilotError):
 
 
 class Remover(NamedTuple):
-    """The callbacks of the retention executors (``retention.execute_plan``, ``repair``)."""
+    """The callbacks of the retention executors (``retention.plan.execute_plan``, ``repair``)."""
 
     exists: Callable[[CheckpointRow], bool]
     remove: Callable[[CheckpointRow], None]

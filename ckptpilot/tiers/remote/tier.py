@@ -1,10 +1,10 @@
 """The remote tier as a :class:`~ckptpilot.tiers.base.CheckpointTier`: one rank's images as
-organ archives on a :class:`~ckptpilot.tiers.remote.RemoteTier`.
+organ archives on a :class:`~ckptpilot.tiers.remote.store.RemoteTier`.
 
-An image is an organ archive (``storage.archive``: safetensors + state + manifest, the plain
-path; codecs are the caller's business), published under ``step_{step}_rank_{rank}`` in one
-rename. This module sits above both ``tiers.remote`` (the bytes) and ``storage.archive`` (the
-archive layout), so neither imports the other's caller.
+An image is an organ archive (``tiers.remote.archive``: safetensors + state + manifest, the
+plain path; codecs are the caller's business), published under ``step_{step}_rank_{rank}`` in
+one rename. This module sits above both ``tiers.remote.store`` (the bytes) and
+``tiers.remote.archive`` (the archive layout), so neither imports the other's caller.
 
 Threading: one writer thread and any number of readers; methods hold no shared state.
 """
@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ckptpilot.errors import IntegrityError, NoCheckpointError
-from ckptpilot.storage.archive import (
+from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.tiers.remote.archive import (
     checkpoint_name,
     list_archives,
     publish_organ,
     read_organ,
     stage_organ,
 )
-from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
-from ckptpilot.tiers.remote import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
 __all__ = ["RemoteCheckpointTier"]
