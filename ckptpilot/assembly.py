@@ -171,7 +171,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     ledger = FailureLedger(ledger_path(run_dir, rank))
     lifecycle = RunLifecycle(ledger, previous_heartbeat)
     watchdog = HangWatchdog(policy.watchdog, rank=rank, heartbeat=heartbeat,
-                            heartbeat_path=hb_path, lifecycle=lifecycle)
+                            heartbeat_path=hb_path, lifecycle=lifecycle, drain=writer.wait)
     started["watchdog"] = watchdog.close
     preemption = PreemptionGuard(policy.preemption, rank=rank, catalog=catalog, writer=writer,
                                  lifecycle=lifecycle)

@@ -3,8 +3,9 @@ a preemption notice (tests/test_preemption.py).
 
 Data-parallel training by hand: both ranks start from the same model, compute gradients on
 their own data, average them with an all-reduce (the collective a dead peer hangs), step and
-observe. ``--stop-at-step S`` makes this rank SIGSTOP itself in the middle of step S, before
-the all-reduce: the other rank then waits in it forever, unless its watchdog ends it.
+observe. ``--stop-at-step S`` makes this rank wait for its saves, then SIGSTOP itself in
+the middle of step S, before the all-reduce: the other rank then waits in it forever, unless
+its watchdog ends it.
 ``--notice-at-step S`` makes this rank send itself SIGTERM there instead: a notice the other
 rank never gets. At the end the model and optimizer state go to ``--final`` (safetensors +
 JSON).
@@ -52,6 +53,7 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         if a.stop_at_step == step:
+            pilot.flush()  # its saves so far durable: the restart's step does not race them
             print(f"STOPPING {step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         if a.notice_at_step == step:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,17 +44,18 @@ class _Exits:
         self.done.set()
 
 
-def _watchdog(tmp_path: Path, min_seconds: float) -> tuple[HangWatchdog, _Exits,
-                                                            HeartbeatWriter, FailureLedger]:
+def _watchdog(tmp_path: Path, min_seconds: float,
+              drain: Callable[[float], bool] | None = None,
+              ) -> tuple[HangWatchdog, _Exits, HeartbeatWriter, FailureLedger]:
     heartbeat = HeartbeatWriter(tmp_path / "hb.ring")
     ledger = FailureLedger(tmp_path / "ledger.jsonl")
     lifecycle = RunLifecycle(ledger, None)
     lifecycle.start(0)
     exits = _Exits()
     watchdog = HangWatchdog(WatchdogPolicy(enabled=True, step_time_multiple=2,
-                                           min_seconds=min_seconds), rank=3,
-                            heartbeat=heartbeat, heartbeat_path=tmp_path / "hb.ring",
-                            lifecycle=lifecycle, exit=exits)
+                                           min_seconds=min_seconds, drain_seconds=7),
+                            rank=3, heartbeat=heartbeat, heartbeat_path=tmp_path / "hb.ring",
+                            lifecycle=lifecycle, drain=drain, exit=exits)
     return watchdog, exits, heartbeat, ledger
 
 
@@ -76,6 +78,30 @@ def test_no_progress_logs_the_phase_records_a_hang_and_exits_77(
     assert (stop.step, stop.cause) == (7, "hang") and "stuck in training step 8" in stop.reason
     assert ledger.last_kind() == "stop" and stop.uptime_seconds is not None
     assert heartbeat.flushed_seq == heartbeat.last_seq
+
+
+def test_the_saves_in_flight_get_drain_seconds_before_the_exit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The writer's threads are not stuck in the hang: a save taken before it may still
+    become durable, so the exit waits for it, bounded; what it abandons is logged."""
+    seen: list[tuple[float, list[int]]] = []
+
+    def drain(seconds: float) -> bool:
+        seen.append((seconds, list(exits.statuses)))
+        return False  # one save still in flight when the time is up
+
+    watchdog, exits, heartbeat, ledger = _watchdog(tmp_path, min_seconds=0.3, drain=drain)
+    try:
+        watchdog.beat(4)
+        watchdog.left_boundary()
+        assert exits.done.wait(SAFETY_NET_SECONDS)
+    finally:
+        watchdog.close()
+        heartbeat.close()
+    assert seen == [(7.0, [])]  # drain_seconds, and before the exit
+    assert exits.statuses == [77]
+    assert "saves still in flight after watchdog.drain_seconds=7 s are abandoned" in caplog.text
+    assert [(s.step, s.cause) for s in ledger.stops()] == [(4, "hang")]
 
 
 def test_nothing_fires_before_the_first_step_nor_while_suspended(tmp_path: Path) -> None:
@@ -146,6 +172,8 @@ def test_a_stopped_rank_makes_the_other_exit_77_and_the_restart_is_bit_exact(
     ledger = FailureLedger(tmp_path / "run" / "ledger_rank_00000.jsonl")
     assert [(s.step, s.cause) for s in ledger.stops()] == [(25, "hang")]
 
+    # Rank 1 made its saves durable before it stopped (ddpjob.py), rank 0 drained its own
+    # before the exit: both hold step 20, whatever the machine's speed.
     outs = _finish(start_ddp_ranks(tmp_path, cfg, STEPS))
     assert all("RESUMED 20" in out for out, _ in outs)
     for r in (0, 1):

@@ -6,9 +6,10 @@ training with no error, often for the collective's own timeout of tens of minute
 This module owns :func:`hang_bound_seconds` (pure: the bound from the step times) and
 :class:`HangWatchdog`, a thread that sees no step boundary for longer than the bound, logs
 where the rank is stuck (the phase the pilot last entered and the newest heartbeat), makes the
-heartbeats durable, records a ``stop`` with cause ``hang`` in the failure ledger (a failure
-for the MTBF), and ends the process with ``ExitStatus.HANG`` through ``os._exit``: the training
-thread is stuck, so no exception could reach it, and interpreter shutdown would wait for it.
+heartbeats durable, gives the saves in flight a bounded time to become durable, records a
+``stop`` with cause ``hang`` in the failure ledger (a failure for the MTBF), and ends the
+process with ``ExitStatus.HANG`` through ``os._exit``: the training thread is stuck, so no
+exception could reach it, and interpreter shutdown would wait for it.
 
 It must not judge the pilot's own waits (restore, a save's back-pressure, flush, close, a
 preemption's grace period): the pilot suspends it around them, and the step clock restarts
@@ -58,14 +59,18 @@ class HangWatchdog:
 
     Lifecycle: construct (starts the thread when ``options.enabled``) → :meth:`beat` at every
     step boundary (the first one arms it) and :meth:`left_boundary` when the boundary's work
-    is done → :meth:`suspended` around the pilot's own waits → :meth:`close`. ``exit`` ends
-    the process (tests pass a recorder; it must not return normally in production).
+    is done → :meth:`suspended` around the pilot's own waits → :meth:`close`. ``drain(seconds)``
+    waits for the saves in flight and says whether all finished (the writer's ``wait``);
+    ``exit`` ends the process (tests pass a recorder; it must not return normally in
+    production).
     """
 
     def __init__(self, options: WatchdogPolicy, *, rank: int, heartbeat: HeartbeatWriter,
                  heartbeat_path: Path, lifecycle: RunLifecycle,
+                 drain: Callable[[float], bool] | None = None,
                  exit: Callable[[int], object] = hard_exit) -> None:
         self._options = options
+        self._drain = drain
         self._rank = rank
         self._heartbeat = heartbeat
         self._heartbeat_path = heartbeat_path
@@ -163,6 +168,10 @@ class HangWatchdog:
             self._heartbeat.flush()
         except OSError as e:
             log.error("HANG: the heartbeats could not be made durable: %s", e)
+        if self._drain is not None and not self._drain(self._options.drain_seconds):
+            log.error("HANG: saves still in flight after watchdog.drain_seconds=%g s are "
+                      "abandoned; the restart resumes from the newest one that is valid",
+                      self._options.drain_seconds)
         try:
             self._lifecycle.stopped(step, StopCause.HANG, reason)
         except Exception:  # the exit must happen whatever the ledger does

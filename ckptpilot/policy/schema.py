@@ -306,11 +306,14 @@ class WatchdogPolicy(Section):
     ``max(min_seconds, step_time_multiple x the median step time)`` ends the process with
     ``ExitStatus.HANG`` (77) so that the launcher restarts the job. Off by default: a loop
     that legitimately spends long between two ``observe()`` calls (a long evaluation) must
-    raise ``min_seconds`` above that first."""
+    raise ``min_seconds`` above that first. Before it exits, the rank gives the saves it has
+    in flight up to ``drain_seconds`` to become durable: they run on the writer's threads,
+    which the hang does not stop, and a save taken before the hang is work the restart keeps."""
 
     enabled: bool = False
     step_time_multiple: float = Field(20.0, ge=2, le=MAX_RATIO)
     min_seconds: Seconds = 600.0
+    drain_seconds: Seconds = 60.0
 
 
 class Policy(Section):
