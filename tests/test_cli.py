@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,75 +19,94 @@ def ckptpilot(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
                           text=True, timeout=1200, cwd=cwd)
 
 
-@pytest.mark.crash
-def test_demo_trains_is_killed_recovers_and_reports(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    cfg = tmp_path / "fast.yaml"
-    cfg.write_text("scheduler: {base_interval: 10, min_interval: 1, max_interval: 500,\n"
-                   "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
-                   "  loss: {slope_threshold: 1000.0}}\n")
-    run_dir = tmp_path / "demo"
-    out = ckptpilot("demo", "--steps", "40", "--run-dir", str(run_dir), "--config", str(cfg))
-    assert out.returncode == 0, out.stderr
-    summary = out.stdout.split("\nsummary\n", 1)[1]
-    fields = dict(line.strip().split("  ", 1) for line in summary.splitlines() if line.strip())
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    # Killed at 24, or later on a slow box once the step-20 save is durable.
-    crash = int(fields["crash"].removeprefix("SIGKILL of the training process at step "))
-    assert 24 <= crash < 30
-    assert fields["recovered step"] == "20"
-    assert fields["steps lost"] == str(crash - 20)
-    assert fields["recovery source"].startswith("remote (")
-    assert fields["replayed steps"].startswith(f"{crash - 20}/{crash - 20} losses bit-identical")
-    assert fields["checkpoints saved"].startswith("4 ")
-    assert float(fields["median stall per save"].split()[0]) > 0
-    # Saved 10, 20, 30, 40 (routine pulses); retention during training keeps the newest
-    # (routine_keep 1) and the one before it (keep_last 2).
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "step_00000030_rank_00000", "step_00000040_rank_00000"]
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "checkpoint/save_seconds", "checkpoint/bytes"} <= tags
-
-    report = ckptpilot("report", "--run-dir", str(run_dir), "--config", str(cfg))
-    assert report.returncode == 0, report.stderr
-    table = {line.split("  ", 1)[0]: line for line in report.stdout.splitlines()}
-    assert f"{crash - 20} steps lost x step time" in table["lost to failures"]
-    assert table["failures"].startswith("failures             1 crash(es), 0 hang(s), 0 "
-                                        "preemption(s), 0 rollback(s); MTBF")
-
-    # A previous demo directory is reused, its old run removed first; the shortest demo (20
-    # steps) proves that as well as another 40 would.
-    again = ckptpilot("demo", "--steps", "20", "--run-dir", str(run_dir), "--config", str(cfg))
-    assert again.returncode == 0, again.stderr
-    assert max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir()) == 20
+@dataclass(frozen=True)
+class DemoRun:
+    run_dir: Path
+    config: Path
+    stdout: str
+    fields: dict[str, str]  # the summary's lines, by name
 
 
-@pytest.mark.crash
-def test_the_demo_spikes_rolls_back_and_says_so(tmp_path: Path) -> None:
-    """100 steps: the LR mistake at steps 35-36 spikes the loss from step 36 on; confirmed
-    at 38, the run goes back to the save of step 30 and skips the 8 batches since."""
-    cfg = tmp_path / "fast.yaml"
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """One 100-step demo for every test of what it prints and leaves: the LR mistake at steps
+    35-36 spikes the loss, confirmed at 38 the run goes back to the save of step 30 and skips
+    8 batches; near step 65 the child is SIGKILLed (later on a box where the save of step 60
+    is not durable yet), the second child restores step 60 and finishes."""
+    tmp = tmp_path_factory.mktemp("demo")
+    cfg = tmp / "fast.yaml"
     cfg.write_text("scheduler: {base_interval: 10, min_interval: 1, max_interval: 500,\n"
                    "  young_daly: false, weights: {loss: 1.0, grad: 0.0, system: 0.0},\n"
                    "  loss: {slope_threshold: 1000.0}}\n"
                    "rollback: {enabled: true}\n")
-    run_dir = tmp_path / "demo"
+    run_dir = tmp / "demo"
     out = ckptpilot("demo", "--steps", "100", "--run-dir", str(run_dir), "--config", str(cfg))
     assert out.returncode == 0, out.stderr
     summary = out.stdout.split("\nsummary\n", 1)[1]
     fields = {k.strip(): v.strip() for k, v in (
         line.strip().split("  ", 1) for line in summary.splitlines() if line.strip())}
+    return DemoRun(run_dir, cfg, out.stdout, fields)
+
+
+def _crash_step(demo: DemoRun) -> int:
+    crash = int(demo.fields["crash"].removeprefix("SIGKILL of the training process at step "))
+    assert 65 <= crash < 70  # killed at 65, or once the save of step 60 is durable
+    return crash
+
+
+@pytest.mark.crash
+def test_demo_trains_is_killed_recovers_and_reports(demo: DemoRun, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fields, run_dir = demo.fields, demo.run_dir
+    crash = _crash_step(demo)
+    assert fields["recovered step"] == "60"
+    assert fields["steps lost"] == str(crash - 60)
+    assert fields["recovery source"].startswith("remote (")
+    assert fields["replayed steps"].startswith(f"{crash - 60}/{crash - 60} losses bit-identical")
+    assert fields["checkpoints saved"] == "10 (run 1: 6, run 2: 4)"
+    assert float(fields["median stall per save"].split()[0]) > 0
+    # Saved every 10 steps (routine pulses); retention during training keeps the newest
+    # (routine_keep 1) and the one before it (keep_last 2), and steps 20 and 30, which the
+    # spike's rollback classed above routine.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000020_rank_00000", "step_00000030_rank_00000",
+        "step_00000090_rank_00000", "step_00000100_rank_00000"]
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "checkpoint/save_seconds", "checkpoint/bytes"} <= tags
+
+    report = ckptpilot("report", "--run-dir", str(run_dir), "--config", str(demo.config))
+    assert report.returncode == 0, report.stderr
+    table = {line.split("  ", 1)[0]: line for line in report.stdout.splitlines()}
+    assert f"{crash - 60} steps lost x step time" in table["lost to failures"]
+    assert "8 steps rolled back x step time" in table["lost to rollbacks"]
+    assert table["failures"].startswith("failures             1 crash(es), 0 hang(s), 0 "
+                                        "preemption(s), 1 rollback(s); MTBF")
+
+    # A previous demo directory is reused, its old run removed first (the shortest demo, on
+    # a copy: the other tests read this run).
+    reused = shutil.copytree(run_dir, tmp_path / "demo")
+    again = ckptpilot("demo", "--steps", "20", "--run-dir", str(reused), "--config",
+                      str(demo.config))
+    assert again.returncode == 0, again.stderr
+    assert max(int(p.name.split("_")[1]) for p in (reused / "checkpoints").iterdir()) == 20
+
+
+@pytest.mark.crash
+def test_the_demo_spikes_rolls_back_and_says_so(demo: DemoRun) -> None:
+    fields = demo.fields
     assert fields["loss spike"].startswith("LR x100 at steps 35-36: loss ")
     assert fields["rollback"] == ("confirmed at step 38 (onset 36); back to step 30, 8 batches "
                                   "skipped; 1 rollback(s)")
-    assert fields["steps trained"] == "100 (+5 re-run after the crash, +8 after the rollback)"
+    crash = _crash_step(demo)
+    assert fields["steps trained"] == (f"100 (+{crash - 60} re-run after the crash, +8 after "
+                                       "the rollback)")
     assert fields["saves by trigger"].startswith("interval 10, score 0, emergency 0")
-    assert "[run 1] step    38: ROLLBACK to step 30" in out.stdout
+    assert "[run 1] step    38: ROLLBACK to step 30" in demo.stdout
     decisions = [json.loads(line) for line in
-                 (run_dir / "decisions_rank_00000.jsonl").read_text().splitlines()]
+                 (demo.run_dir / "decisions_rank_00000.jsonl").read_text().splitlines()]
     assert [(d["step"], d["rollback_to"]) for d in decisions if "rollback_to" in d] == [(38, 30)]
 
 
