@@ -309,6 +309,10 @@ class PeerTier:
         self._pool = ThreadPoolExecutor(max_workers=min(32, max(len(self.endpoints), 2)),
                                         thread_name_prefix="ckptpilot-peer-io")
         self._layouts: dict[int, _Layout] = {}
+        # Peers that may hold data of this run that no COMMIT of this tier has superseded
+        # there: None (all peers) until this tier's first COMMIT, which may find a previous
+        # process's shards anywhere.
+        self._unsettled: set[str] | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._connections = Connections(key=secret)
@@ -522,6 +526,7 @@ class PeerTier:
             digest, payload, fields = self._delta_payload(index, data, plan)
             delta_header = {**header, **fields, "base_id": plan.base_id, "digest": digest,
                             "delta_digest": digest_of_pieces(payload)}
+            self._unsettle(endpoint)
             try:  # the payload's parts are sent as they are: joining them would copy them
                 self._request(endpoint, Op.DELTA, delta_header, [meta, *payload])
                 return _Placed(endpoint, sum(memoryview(p).nbytes for p in payload),
@@ -540,6 +545,7 @@ class PeerTier:
         for _ in range(len(self.endpoints)):
             if endpoint is None:
                 endpoint = self._claim(claims, reasons)
+            self._unsettle(endpoint)
             try:
                 t0 = time.perf_counter()
                 self._request(endpoint, Op.PUT, header, [meta, body])
@@ -591,13 +597,25 @@ class PeerTier:
         self.placement.report(endpoint, True, time.perf_counter() - start)
         return reply
 
+    def _unsettle(self, endpoint: str) -> None:
+        """``endpoint`` is about to get a shard of this run: a later COMMIT must reach it."""
+        with self._lock:
+            if self._unsettled is not None:
+                self._unsettled.add(endpoint)
+
     def _commit(self, ckpt_id: int, holders: Sequence[str], stripe: list[str]) -> None:
-        """COMMIT (with the stripe of digests) on every reachable endpoint: holders keep
-        ``ckpt_id`` and drop older states; the others drop stale copies of this run. At least
-        one holder must confirm."""
+        """COMMIT (with the stripe of digests) on the holders, and on the reachable peers that
+        may hold older data of this run (every peer before this tier's first COMMIT; then
+        those it sent a shard to, or could not reach, since they last confirmed one): holders
+        keep ``ckpt_id`` and drop older states; the others drop stale copies of this run. At
+        least one holder must confirm. A put thus costs requests to the peers of its parity
+        group and of the previous one, however many peers there are."""
         header = {"run_id": self.run_id, "ckpt_id": ckpt_id, "lease_seconds": self.lease_seconds,
                   "stripe": stripe}
-        up = {r.endpoint for r in self.placement.readings() if r.up} | set(holders)
+        with self._lock:
+            unsettled = set(self.endpoints if self._unsettled is None else self._unsettled)
+        reachable = {r.endpoint for r in self.placement.readings() if r.up}
+        up = (unsettled & reachable) | set(holders)
 
         def commit(endpoint: str) -> str | None:
             try:
@@ -612,6 +630,9 @@ class PeerTier:
         for endpoint, error in results.items():
             if error is not None:
                 log.warning("COMMIT of checkpoint %d on %s failed: %s", ckpt_id, endpoint, error)
+        confirmed = {e for e, error in results.items() if error is None}
+        with self._lock:
+            self._unsettled = (unsettled - confirmed) | set(holders)
         if all(results[h] is not None for h in holders):
             raise PeerUnavailable(f"checkpoint {ckpt_id} of run {self.run_id!r} was sent but no "
                                   "holder confirmed its COMMIT: " + "; ".join(
@@ -669,6 +690,9 @@ class PeerTier:
                                      and into.ndim == 1 and into.flags.writeable
                                      and into.flags.c_contiguous):
             raise ValueError("into must be a writable, contiguous 1-D uint8 numpy array")
+        known = self._fetch_known(ckpt_id, start, into)
+        if known is not None:
+            return known
         catalog, unreachable = self._catalog()
         if ckpt_id is not None:
             candidates = [ckpt_id]
@@ -704,6 +728,28 @@ class PeerTier:
                 log.warning("peer tier: %s", e)
                 errors.append(e)
         raise errors[0]
+
+    def _fetch_known(
+        self, ckpt_id: int | None, start: float, into: np.ndarray | None
+    ) -> PeerFetchResult | None:
+        """Checkpoint ``ckpt_id`` from the peers this tier put it on, without asking every
+        peer what it holds (LIST): a fetch then costs requests to its parity group only. None
+        when this tier did not put it, or any shard fails there for any reason: then
+        :meth:`fetch` asks every peer, as a tier that did not put it does."""
+        with self._lock:
+            layout = None if ckpt_id is None else self._layouts.get(ckpt_id)
+        if layout is None or (into is not None and into.size < layout.image_len):
+            return None
+        stripe = _Stripe(layout.ckpt_id, layout.data_shards, len(layout.endpoints),
+                         layout.image_len, layout.shard_size, committed=True,
+                         holders={i: [e] for i, e in enumerate(layout.endpoints)
+                                  if e is not None})
+        try:
+            return self._fetch_one(stripe, {}, start, into)
+        except PeerUnavailable as e:
+            log.info("peer tier: checkpoint %d not fetched from where it was put (%s); asking "
+                     "every peer", layout.ckpt_id, e)
+            return None
 
     def _fetch_one(
         self, stripe: _Stripe, unreachable: dict[str, str], start: float,

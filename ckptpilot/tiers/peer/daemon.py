@@ -22,6 +22,12 @@ the digest the client announced is checked); a reaper thread frees runs whose le
 out. Shared state lives in :class:`ShardStore`. Zero copy: a shard is received straight into
 the array that then holds it (digested as it lands) and sent on GET straight from there.
 
+Torch: only an ``xor_delta`` fold needs it (the codec decodes the delta against the base);
+storing, serving and ``blocks`` folds are numpy and memoryviews. The daemon imports it at
+start, so that no fold waits for it, or with ``lazy_torch`` on the first ``xor_delta`` fold:
+a daemon then costs tens of MB instead of a few hundred, for hosts that run many; that
+fold, and a GET of its shard, wait for the import (seconds of CPU).
+
 A malformed frame (garbage, truncated, oversized, unparseable) gets an ERR reply naming the
 fault and closes that connection only, with one logged line; a request that fails on a bug
 here gets an ERR ``internal_error`` and a logged traceback. Every other client keeps being
@@ -133,6 +139,7 @@ class PeerDaemon:
         fold_wait_seconds: float = 60.0,
         reap_interval_seconds: float = 0.2,
         fold_threads: int = 2,
+        lazy_torch: bool = False,
     ) -> None:
         self._key = key
         self.connections = ConnectionTable(max_connections=max_connections,
@@ -146,6 +153,8 @@ class PeerDaemon:
         self.reap_interval_seconds = reap_interval_seconds
         self._codec: Codec | None = None  # made by the first xor_delta fold (see _xor_codec)
         self._codec_lock = threading.Lock()
+        if not lazy_torch:
+            self._xor_codec()
         self._folds = ThreadPoolExecutor(max_workers=fold_threads,
                                          thread_name_prefix="ckptpilot-peer-fold")
         self._stopping = threading.Event()
@@ -381,8 +390,9 @@ class PeerDaemon:
         self.store.finish_fold(entry, data, error)
 
     def _xor_codec(self) -> Codec:
-        """The ``xor_delta`` codec, built (and torch imported) on the first fold that needs
-        it: a daemon that only stores full shards and ``blocks`` deltas never loads torch."""
+        """The ``xor_delta`` codec, built (and torch imported) in ``__init__``, or with
+        ``lazy_torch`` on the first fold that needs it: then a daemon that only stores full
+        shards and ``blocks`` deltas never loads torch."""
         with self._codec_lock:
             if self._codec is None:
                 from ckptpilot.codecs import get_codec
