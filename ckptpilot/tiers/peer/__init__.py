@@ -3,7 +3,9 @@
 ``protocol`` (wire frames) + ``auth`` (the job's secret, every frame's HMAC) ← ``calls``
 (requests over authenticated connections); ``daemon`` + ``admission`` + ``store``
 (``ckptpilot peer serve``, its CLI in ``command``) and ``placement`` + ``parity`` ←
-``client`` (:class:`PeerTier`, what the pilot uses).
+``client`` (:class:`PeerTier`, what the pilot uses: its put half ``putting``, its fetch half
+``fetching``, what both return ``stripes``); ``registry`` (over ``storeclient``) ←
+``membership`` (daemons announce themselves, clients watch).
 
 The errors are imported with the package, the client's names on first use (PEP 562): the
 daemon's process imports this package and must not pull the client's torch with it.
