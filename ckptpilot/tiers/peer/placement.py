@@ -198,7 +198,7 @@ class Placement:
                 if now - since > self.forgive_seconds:
                     del self._avoided_since[e]
             # The stored readings are frozen and never avoided: copy only those that are (a
-            # copy of each costs a put ~1 ms per 100 peers, once per shard placed).
+            # copy of every one would make each shard a put places cost O(peers)).
             out = [replace(r, avoided=True) if r.endpoint in self._avoided_since else r
                    for r in self._readings.values()]
         if self.is_down is not None:
