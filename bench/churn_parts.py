@@ -125,7 +125,7 @@ class Cluster:
         return [sys.executable, "-m", "ckptpilot", "peer", "serve", "--host", "127.0.0.1",
                 "--port", str(slot.port), "--secret-file", str(self.secret_file),
                 "--mem-limit", f"{self.mem_limit_mib}MiB", "--log-level", "WARNING",
-                "--registry", self.address, "--node", str(slot.node)]
+                "--registry", self.address, "--node", str(slot.node), "--lazy-torch"]
 
     def start(self, slots: list[Slot]) -> float:
         """Start ``slots`` in parallel; the seconds until all listen."""
@@ -162,7 +162,7 @@ class Cluster:
             if s.up and s.proc is not None:
                 with contextlib.suppress(psutil.Error):
                     sizes.append(psutil.Process(s.proc.pid).memory_full_info().uss)
-        return max(sizes, default=256 * 2**20)
+        return max(sizes, default=64 * 2**20)
 
     def endpoints(self, n: int) -> list[str]:
         return [s.endpoint for s in self.slots[:n]]

@@ -29,11 +29,12 @@ Checked, and counted in the output (a violation makes the exit status 1):
   registry's membership model one node is one daemon (``--node`` k), so distinct endpoints
   are distinct nodes.
 
-Everything is on 127.0.0.1; each daemon is a ``ckptpilot peer serve`` process with
-``--mem-limit`` ``--mem-limit-mib`` and a death signal tied to this process, so that none
+Everything is on 127.0.0.1; each daemon is a ``ckptpilot peer serve --lazy-torch`` process
+with ``--mem-limit`` ``--mem-limit-mib`` and a death signal tied to this process, so that none
 outlives it (Ctrl-C, an exception or a SIGKILL of the benchmark). Each daemon costs one
-Python interpreter with torch imported: before growing, the benchmark checks that the
-memory it will need is available and otherwise stops at the largest N that fits, saying so.
+Python interpreter without torch (it imports torch only to fold an ``xor_delta`` delta):
+before growing, the benchmark checks that the memory it will need is available and otherwise
+stops at the largest N that fits, saying so.
 
 The daemons, the registry watch and the model live in ``bench/churn_parts.py``; this script
 is the churn, the checks of each restore and the report.
@@ -440,8 +441,8 @@ def report(timings: list[Timing], churns: list[ChurnResult], skipped: list[str],
               f"one put took {last.put / first.put:.2f}x and one fetch "
               f"{last.fetch / first.fetch:.2f}x the time, one list "
               f"{last.listing / first.listing:.2f}x; "
-              "a put sends to 4 daemons whatever N, but COMMIT goes to every daemon up and a "
-              "fetch LISTs every endpoint first")
+              "a put talks to its parity group and the previous one, a fetch of what the tier "
+              "put to its group only; list asks every endpoint")
         few = [t for t in timings if t.endpoints == first.n and t.n == last.n]
         if few:
             print(f"with N={last.n} daemons up but a tier over {first.n} of them, one put took "

@@ -135,11 +135,7 @@ def _non_negative_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ckptpilot import runops
-    from ckptpilot.demo import DemoError, run_demo
-    from ckptpilot.policy import load_policy
-
-    try:
+    try:  # each command imports what it needs: a peer daemon's process loads no torch
         if args.command == "peer":
             from ckptpilot.tiers.peer.command import run_peer_command
 
@@ -149,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_simulate(args)
         if args.command == "demo":
-            return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
+            return _demo(args)
         if args.command == "fit":
             from ckptpilot.fit import list_scenarios, run_fit
 
@@ -161,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                            as_json=args.json == "-", keep=args.keep, launcher=args.launcher,
                            nproc=args.nproc, reference=args.reference,
                            json_path=None if args.json in (None, "-") else Path(args.json))
+        from ckptpilot import runops
+        from ckptpilot.policy import load_policy
+
         policy = load_policy(args.config, run_dir=args.run_dir)
         out = sys.stdout
         if args.command == "ls":
@@ -183,11 +182,21 @@ def main(argv: list[str] | None = None) -> int:
                                             gpus=args.gpus or 1))
             return rc
         return runops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
-    except (CkptPilotError, DemoError) as e:
+    except CkptPilotError as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"ckptpilot {args.command}: error: {_describe_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ckptpilot.demo import DemoError, run_demo
+
+    try:
+        return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
+    except DemoError as e:
+        print(f"ckptpilot demo: error: {e}", file=sys.stderr)
         return 2
 
 

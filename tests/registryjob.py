@@ -27,6 +27,7 @@ import json
 import time
 
 from ckptpilot.tiers.peer.registry import HealthRegistry, NodeState, connect_store
+from ckptpilot.tiers.peer.storeclient import StoreClient
 
 PHASES = ("guarded", "control")
 
@@ -41,6 +42,13 @@ def torn(state: NodeState) -> bool:
     return state.reason != f"w{i}" or state.status != expected_status(i)
 
 
+def open_store(args: argparse.Namespace):
+    """torch's store client, or the torch-free one the daemons use (``--client python``)."""
+    if args.client == "python":
+        return StoreClient("127.0.0.1", args.port)
+    return connect_store("127.0.0.1", args.port)
+
+
 def barrier(store, name: str, parties: int) -> None:
     key = f"test/barrier/{name}"
     store.add(key, 1)
@@ -49,7 +57,7 @@ def barrier(store, name: str, parties: int) -> None:
 
 
 def writer(args: argparse.Namespace) -> dict:
-    store = connect_store("127.0.0.1", args.port)
+    store = open_store(args)
     reg = HealthRegistry(store, node=args.node, num_nodes=args.num_nodes)
 
     def state(i: int) -> NodeState:
@@ -84,7 +92,7 @@ def writer(args: argparse.Namespace) -> dict:
 
 
 def reader(args: argparse.Namespace) -> dict:
-    store = connect_store("127.0.0.1", args.port)
+    store = open_store(args)
     reg = HealthRegistry(store, node=args.node, num_nodes=args.num_nodes)
     nodes = list(range(args.writers))
     last_seq = dict.fromkeys(nodes, 0)
@@ -115,7 +123,7 @@ def reader(args: argparse.Namespace) -> dict:
 
 
 def hold(args: argparse.Namespace) -> dict:
-    store = connect_store("127.0.0.1", args.port)
+    store = open_store(args)
     reg = HealthRegistry(store, node=args.node, num_nodes=args.num_nodes)
     reg.publish(NodeState(node=args.node, status="up", endpoint=f"127.0.0.1:{9000 + args.node}",
                           reason="w0"))
@@ -142,6 +150,7 @@ def main() -> None:
     parser.add_argument("--min-reads", type=int, default=20)
     parser.add_argument("--control-seconds", type=float, default=0.5)
     parser.add_argument("--gap-seconds", type=float, default=0.001)
+    parser.add_argument("--client", choices=["torch", "python"], default="torch")
     args = parser.parse_args()
     result = {"writer": writer, "reader": reader, "hold": hold}[args.role](args)
     print(json.dumps(result), flush=True)

@@ -2,7 +2,8 @@
 run proving the torn-read detector works, dead writers, malformed store contents.
 
 The store server runs in the test process (``host_store`` on port 0); writers and readers are
-separate Python processes (tests/registryjob.py), each with its own store client.
+separate Python processes (tests/registryjob.py), each with its own store client: torch's, or
+the torch-free one the daemons use, mixed in one stress run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ckptpilot.tiers.peer.registry import (
 JOB = Path(__file__).with_name("registryjob.py")
 WRITERS = 3
 READERS = 2
+CLIENTS = ("torch", "python")  # torch's store client and the daemons' (storeclient), mixed
 
 
 @pytest.fixture
@@ -54,11 +56,13 @@ def stress() -> tuple[list[dict], list[dict]]:
               "--writers", str(WRITERS), "--parties", str(WRITERS + READERS)]
     procs = [subprocess.Popen([sys.executable, str(JOB), "writer", "--node", str(n), *common,
                                "--seconds", "1.5", "--max-seconds", "15", "--min-reads", "20",
-                               "--control-seconds", "0.5", "--gap-seconds", "0.001"],
+                               "--control-seconds", "0.5", "--gap-seconds", "0.001",
+                               "--client", CLIENTS[n % 2]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in range(WRITERS)]
     procs += [subprocess.Popen([sys.executable, str(JOB), "reader", "--node", str(WRITERS + r),
-                                *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                *common, "--client", CLIENTS[r % 2]],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for r in range(READERS)]
     results = []
     try:

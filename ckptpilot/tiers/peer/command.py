@@ -109,6 +109,11 @@ def add_peer_parser(subparsers: Any) -> None:
                        help="most bytes of shards to hold, e.g. 8GiB (default 8GiB)")
     serve.add_argument("--log-level", default="INFO",
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--lazy-torch", action="store_true",
+                       help="do not import torch at start, only for the first xor_delta delta "
+                       "to fold (that fold, and a fetch of its shard, then wait seconds for "
+                       "it): a daemon then needs tens of MB instead of a few hundred, for "
+                       "hosts that run many daemons")
     serve.add_argument("--allow-fault-injection", action="store_true",
                        help="accept CORRUPT requests that damage held shards (tests only)")
     serve.add_argument("--registry", type=_endpoint, default=None, metavar="HOST:PORT",
@@ -172,7 +177,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                             header_timeout_seconds=args.header_timeout_seconds,
                             idle_timeout_seconds=args.idle_timeout_seconds,
                             max_connections=args.max_connections,
-                            max_per_client=args.max_per_client)
+                            max_per_client=args.max_per_client,
+                            lazy_torch=args.lazy_torch)
     except OSError as e:
         return _serve_error(f"cannot listen on {args.host}:{args.port}: {describe_failure(e)}")
     host, port = daemon.address

@@ -22,6 +22,12 @@ the digest the client announced is checked); a reaper thread frees runs whose le
 out. Shared state lives in :class:`ShardStore`. Zero copy: a shard is received straight into
 the array that then holds it (digested as it lands) and sent on GET straight from there.
 
+Torch: only an ``xor_delta`` fold needs it (the codec decodes the delta against the base);
+storing, serving and ``blocks`` folds are numpy and memoryviews. The daemon imports it at
+start, so that no fold waits for it, or with ``lazy_torch`` on the first ``xor_delta`` fold:
+a daemon then costs tens of MB instead of a few hundred, for hosts that run many; that
+fold, and a GET of its shard, wait for the import (seconds of CPU).
+
 A malformed frame (garbage, truncated, oversized, unparseable) gets an ERR reply naming the
 fault and closes that connection only, with one logged line; a request that fails on a bug
 here gets an ERR ``internal_error`` and a logged traceback. Every other client keeps being
@@ -42,10 +48,9 @@ import socketserver
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ckptpilot.tiers.peer.admission import Conn, ConnectionTable
 from ckptpilot.tiers.peer.auth import (
@@ -72,6 +77,9 @@ from ckptpilot.tiers.peer.protocol import (
     shard_tensor,
 )
 from ckptpilot.tiers.peer.store import SHARD_FIELDS, Entry, ShardStore
+
+if TYPE_CHECKING:
+    from ckptpilot.codecs.base import Codec
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +139,8 @@ class PeerDaemon:
         fold_wait_seconds: float = 60.0,
         reap_interval_seconds: float = 0.2,
         fold_threads: int = 2,
+        lazy_torch: bool = False,
     ) -> None:
-        from ckptpilot.codecs import get_codec
-
         self._key = key
         self.connections = ConnectionTable(max_connections=max_connections,
                                            max_per_client=max_per_client)
@@ -144,7 +151,10 @@ class PeerDaemon:
         self.frame_timeout_seconds = frame_timeout_seconds
         self.fold_wait_seconds = fold_wait_seconds
         self.reap_interval_seconds = reap_interval_seconds
-        self._codec = get_codec("xor_delta", threads=1)
+        self._codec: Codec | None = None  # made by the first xor_delta fold (see _xor_codec)
+        self._codec_lock = threading.Lock()
+        if not lazy_torch:
+            self._xor_codec()
         self._folds = ThreadPoolExecutor(max_workers=fold_threads,
                                          thread_name_prefix="ckptpilot-peer-fold")
         self._stopping = threading.Event()
@@ -366,8 +376,8 @@ class PeerDaemon:
             if encoding == BLOCKS:
                 data = fold_blocks(base.data, delta, block_bytes)
             else:
-                out = self._codec.decode(delta, base=shard_tensor(base.data))
-                data = out.view(torch.uint8).numpy()
+                out = self._xor_codec().decode(delta, base=shard_tensor(base.data))
+                data = out.view(-1).numpy().view(np.uint8)
             if data.size != entry.info["shard_size"]:
                 raise ValueError(f"delta decoded to {data.size} bytes, expected "
                                  f"{entry.info['shard_size']}")
@@ -378,6 +388,17 @@ class PeerDaemon:
             data, error = None, f"fold failed: {e}"
             log.warning("run %s checkpoint %d shard %d: %s", *entry.key, error)
         self.store.finish_fold(entry, data, error)
+
+    def _xor_codec(self) -> Codec:
+        """The ``xor_delta`` codec, built (and torch imported) in ``__init__``, or with
+        ``lazy_torch`` on the first fold that needs it: then a daemon that only stores full
+        shards and ``blocks`` deltas never loads torch."""
+        with self._codec_lock:
+            if self._codec is None:
+                from ckptpilot.codecs import get_codec
+
+                self._codec = get_codec("xor_delta", threads=1)
+            return self._codec
 
     def _reserve_or_refuse(self, ch: Conn, head: Head, nbytes: int) -> bool:
         h = head.header

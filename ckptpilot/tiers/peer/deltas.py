@@ -38,13 +38,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ckptpilot.codecs.base import Codec
 from ckptpilot.tiers.peer.digest import Hasher
 from ckptpilot.tiers.peer.parity import CHUNK_BYTES, Shard, parity_chunks
 from ckptpilot.tiers.peer.protocol import BLOCKS, XOR_DELTA, Buffer, shard_tensor
+
+if TYPE_CHECKING:
+    from ckptpilot.codecs.base import Codec
 
 BLOCK_BYTES = 64 << 10
 SAMPLE_BLOCKS = 64

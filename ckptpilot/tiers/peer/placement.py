@@ -197,7 +197,9 @@ class Placement:
             for e, since in list(self._avoided_since.items()):
                 if now - since > self.forgive_seconds:
                     del self._avoided_since[e]
-            out = [replace(r, avoided=r.endpoint in self._avoided_since)
+            # The stored readings are frozen and never avoided: copy only those that are (a
+            # copy of every one would make each shard a put places cost O(peers)).
+            out = [replace(r, avoided=True) if r.endpoint in self._avoided_since else r
                    for r in self._readings.values()]
         if self.is_down is not None:
             out = [replace(r, up=False, reason="marked down by the health registry")

@@ -58,14 +58,16 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ckptpilot.tiers.peer.auth import NO_TAG, TAG_BYTES, Session
 from ckptpilot.tiers.peer.digest import Hasher, is_digest
 from ckptpilot.tiers.peer.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"CKPP"
 VERSION = 3
@@ -103,8 +105,8 @@ class Op(enum.IntEnum):
     ERR = 101
 
 
-DELTA_DTYPE = torch.float32
-"""``xor_delta`` DELTA payloads are blobs of the shard viewed as this type (see
+DELTA_DTYPE = "float32"
+"""``xor_delta`` DELTA payloads are blobs of the shard viewed as this torch dtype (see
 :func:`shard_tensor`): checkpoints are mostly float32 weights and moments, whose
 sign/exponent byte is where a delta compresses."""
 XOR_DELTA = "xor_delta"
@@ -282,10 +284,13 @@ def bitmap_bytes(shard_size: int, block_bytes: int) -> int:
 
 def shard_tensor(shard: np.ndarray) -> torch.Tensor:
     """A shard (uint8, a multiple of 8 bytes) as the tensor a DELTA payload encodes; copies
-    only a read-only shard (torch tensors must be writable)."""
+    only a read-only shard (torch tensors must be writable). Imports torch on first use:
+    a daemon needs it only to fold an ``xor_delta``."""
+    import torch
+
     if not shard.flags.writeable:
         shard = shard.copy()
-    return torch.from_numpy(shard).view(DELTA_DTYPE)
+    return torch.from_numpy(shard).view(getattr(torch, DELTA_DTYPE))
 
 
 # ------------------------------------------------------------------------------ reading

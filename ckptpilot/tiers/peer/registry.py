@@ -57,11 +57,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from ckptpilot.errors import CkptPilotError
+from ckptpilot.tiers.peer.storeclient import StoreClient
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 # Jitter for lock/retry back-off from a private generator: drawing from the global `random`
 # would consume the training job's Python RNG and break a bit-exact resume.
@@ -171,12 +173,18 @@ def host_store(host: str, port: int, *, world_size: int | None = None,
 
     It does not wait for workers: nodes come and go, and the registry never needs all of them.
     """
+    import torch.distributed as dist
+
     return dist.TCPStore(host, port, world_size, True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
 def connect_store(host: str, port: int, *, timeout_seconds: float = 30.0) -> dist.TCPStore:
-    """Connect to the store a coordinator hosts; ``timeout_seconds`` bounds connect and ops."""
+    """Connect to the store a coordinator hosts with torch's own client (:func:`connect_registry`
+    uses the torch-free :class:`~ckptpilot.tiers.peer.storeclient.StoreClient`);
+    ``timeout_seconds`` bounds connect and ops."""
+    import torch.distributed as dist
+
     return dist.TCPStore(host, port, is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_seconds))
 
@@ -217,10 +225,10 @@ def connect_registry(address: str, *, node: int | None = None, timeout_seconds: 
     host, port = parse_endpoint(address)
     _wait_until_listening(address, host, port, timeout_seconds)
     try:
-        store = connect_store(host, port, timeout_seconds=timeout_seconds)
+        store = StoreClient(host, port, timeout_seconds=timeout_seconds)
         found = store.check([NUM_NODES_KEY])
         raw = store.get(NUM_NODES_KEY) if found else b""
-    except RuntimeError as e:  # torch.distributed.DistError and its kin
+    except OSError as e:  # refused, reset, timed out, not a store
         raise RegistryError(f"health registry at {address}: {_first_line(e)}") from e
     if not found:
         raise RegistryError(f"{address} serves a store without {NUM_NODES_KEY}: not a ckptpilot "
@@ -276,7 +284,7 @@ class HealthRegistry:
     ``TCPStore`` client serialises its own requests.
     """
 
-    def __init__(self, store: dist.Store, *, node: int | None, num_nodes: int,
+    def __init__(self, store: dist.Store | StoreClient, *, node: int | None, num_nodes: int,
                  retry_timeout_seconds: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
         if num_nodes < 1:
