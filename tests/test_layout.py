@@ -90,27 +90,14 @@ def test_the_import_graph_has_no_cycle() -> None:
         assert name not in reachable(name) or name == "ckptpilot", f"{name} is in a cycle"
 
 
-OVER_600_PENDING = {
-    "ckptpilot.tiers.peer.client": "the peer helper's pending split of client.py (issue 25)",
-    "ckptpilot.tiers.peer.registry": "604 lines, in the peer helper's area (issue 25)",
-}
-"""Modules still over 600 lines while another change splits them; each entry must still be
-over the limit, so that the exemption goes as soon as its split lands."""
-
-
 def test_no_module_is_over_600_lines() -> None:
-    over = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
-    over = {name: lines for name, lines in over.items() if lines > 600}
-    unexplained = {name: lines for name, lines in over.items() if name not in OVER_600_PENDING}
-    assert unexplained == {}, f"split these modules (600 lines at most): {unexplained}"
-    stale = sorted(set(OVER_600_PENDING) - set(over))
-    assert stale == [], f"{stale} are 600 lines or fewer now: drop them from OVER_600_PENDING"
+    over = {name: lines for name, path in MODULES.items()
+            if (lines := len(path.read_text().splitlines())) > 600}
+    assert over == {}, f"split these modules (600 lines at most): {over}"
 
 
 def test_no_module_explains_its_length_instead_of_being_split() -> None:
     for name, path in MODULES.items():
-        if name in OVER_600_PENDING:
-            continue
         docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "Long because" not in docstring, f"{name}: split it instead"
 

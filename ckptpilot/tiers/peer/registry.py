@@ -49,17 +49,27 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import random
 import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckptpilot.errors import CkptPilotError
+from ckptpilot.tiers.peer.records import (
+    BITMAP_KEY,
+    NUM_NODES_KEY,
+    PREFIX,
+    NodeState,
+    RegistryError,
+    RegistryFormatError,
+    RegistryTimeoutError,
+    decode_bitmap,
+    encode_bitmap,
+    load_object,
+)
 from ckptpilot.tiers.peer.storeclient import StoreClient
 
 if TYPE_CHECKING:
@@ -71,100 +81,12 @@ _JITTER = random.Random()
 
 log = logging.getLogger(__name__)
 
-PREFIX = "ckptpilot/health"
-BITMAP_KEY = f"{PREFIX}/bitmap"
-NUM_NODES_KEY = f"{PREFIX}/num_nodes"
-STATUSES = ("up", "down", "draining")
-
 _BACKOFF_MIN_SECONDS = 0.0005
 _BACKOFF_MAX_SECONDS = 0.01
 # A writer that keeps losing bit n to other live writers gives up after this many timeouts
 # (one timeout is needed just to see that a holder is stale).
 _ACQUIRE_TIMEOUTS = 3
 _CONNECT_RETRY_SECONDS = 0.1
-
-
-class RegistryError(CkptPilotError, RuntimeError):
-    """The health registry cannot be read or written as asked."""
-
-
-class RegistryFormatError(RegistryError, ValueError):
-    """A registry key in the store holds something this version cannot parse; ``key`` names it."""
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"{key}: {message} (was the key written by something other than "
-                         "ckptpilot's HealthRegistry? republishing the node overwrites it)")
-
-
-class RegistryTimeoutError(RegistryError, TimeoutError):
-    """No consistent state of ``node`` could be read (or its bit taken) within the timeout.
-
-    ``stalled`` is True when nothing moved while waiting (same bit holder ``holder``, same
-    ``seq``): the writer most likely died mid-write, and ``mark_down(node, ...)`` recovers.
-    """
-
-    def __init__(self, node: int, message: str, *, stalled: bool, holder: str | None,
-                 seq: int) -> None:
-        self.node = node
-        self.stalled = stalled
-        self.holder = holder
-        self.seq = seq
-        super().__init__(f"node {node}: {message}")
-
-
-@dataclass(frozen=True)
-class NodeState:
-    """What the registry knows about one node; ``seq`` and ``updated_at`` are set by the registry.
-
-    ``updated_at`` is the writer's Unix time in seconds, for people and logs: registry logic
-    never compares clocks of different machines.
-    """
-
-    node: int
-    status: str
-    endpoint: str = ""
-    mem_used_bytes: int = 0
-    mem_limit_bytes: int = 0
-    updated_at: float = 0.0
-    seq: int = 0
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        for name in ("node", "mem_used_bytes", "mem_limit_bytes", "seq"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"NodeState.{name} must be an integer >= 0, got {value!r}")
-        if self.status not in STATUSES:
-            raise ValueError(f"NodeState.status must be one of {STATUSES}, got {self.status!r}")
-        for name in ("endpoint", "reason"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"NodeState.{name} must be a string, "
-                                 f"got {getattr(self, name)!r}")
-        ok_time = isinstance(self.updated_at, (int, float)) and not isinstance(
-            self.updated_at, bool) and math.isfinite(self.updated_at)
-        if not ok_time:
-            raise ValueError(f"NodeState.updated_at must be a finite number of seconds, "
-                             f"got {self.updated_at!r}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, key: str = "<json>") -> NodeState:
-        """Parse :meth:`to_json` output; ``key`` names the source in the error message."""
-        return cls.from_dict(_load_object(text, key), key=key)
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any], *, key: str) -> NodeState:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(doc) - names)
-        if unknown:
-            raise RegistryFormatError(key, f"unknown field(s) {unknown}")
-        try:
-            return cls(**doc)
-        except (TypeError, ValueError) as e:
-            raise RegistryFormatError(key, str(e)) from e
 
 
 def host_store(host: str, port: int, *, world_size: int | None = None,
@@ -478,7 +400,7 @@ class HealthRegistry:
                 log.warning("health registry: %s takes over bit %d from writer %s "
                             "(no progress for %.1f s; presumed dead)", self._who, node, holder,
                             now - observed_since)
-            desired = _encode_bitmap({**bits, node: token})
+            desired = encode_bitmap({**bits, node: token})
             # The new token makes ``desired`` unique, so getting it back means this swap won.
             if self.store.compare_set(BITMAP_KEY, raw, desired).decode() == desired:
                 return
@@ -492,7 +414,7 @@ class HealthRegistry:
                     f"presumed it dead (it took longer than {self.retry_timeout_seconds} s); "
                     "readers ignore what it wrote: write again")
             del bits[node]
-            desired = _encode_bitmap(bits)
+            desired = encode_bitmap(bits)
             if self.store.compare_set(BITMAP_KEY, raw, desired).decode() == desired:
                 return
 
@@ -548,7 +470,7 @@ class HealthRegistry:
         merged: dict[str, Any] = {"node": node, "status": "down"}
         stamps = []
         for raw, key, names in zip(values, keys, fields_of, strict=True):
-            doc = _load_object(raw, key)
+            doc = load_object(raw, key)
             if set(doc) != {"v", *names}:
                 raise RegistryFormatError(key, f"expected the fields {['v', *names]}, "
                                           f"got {sorted(doc)}")
@@ -565,7 +487,7 @@ class HealthRegistry:
         # compare_set(k, "", "") reads without blocking: it creates a missing key as "" and
         # otherwise returns the value unchanged (a plain get would wait for a missing key).
         raw = self.store.compare_set(BITMAP_KEY, "", "").decode()
-        return _decode_bitmap(raw), raw
+        return decode_bitmap(raw), raw
 
     def _seq(self, node: int) -> int:
         return int(self.store.add(self._key(node, "seq"), 0))
@@ -586,27 +508,3 @@ class HealthRegistry:
             raise RegistryError(f"a reader (node=None) cannot {what}: only a node writes its "
                                 "own state; connect with node=<its index>")
         return self.node
-
-
-def _encode_bitmap(bits: dict[int, str]) -> str:
-    return ",".join(f"{bit}:{token}" for bit, token in sorted(bits.items()))
-
-
-def _decode_bitmap(raw: str) -> dict[int, str]:
-    bits = {}
-    for item in filter(None, raw.split(",")):
-        bit, sep, token = item.partition(":")
-        if not (sep and bit.isdigit() and token):
-            raise RegistryFormatError(BITMAP_KEY, f"malformed entry {item!r} in {raw!r}")
-        bits[int(bit)] = token
-    return bits
-
-
-def _load_object(raw: str | bytes, key: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an int too long
-        raise RegistryFormatError(key, f"not JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise RegistryFormatError(key, f"expected a JSON object, got {type(doc).__name__}")
-    return doc
