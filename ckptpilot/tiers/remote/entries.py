@@ -276,7 +276,7 @@ def remove_entry(tier: _Tier, name: str, *, step: int | None = None,
         except OSError as e:
             raise OSError(e.errno, f"cannot remove {where}: moving it out of its name "
                           f"failed ({e.strerror}); nothing was removed") from e
-        _fsync_dir(tier.root)
+        fsync_dir(tier.root)
     try:
         shutil.rmtree(trash)
     except OSError as e:
@@ -329,7 +329,8 @@ def refuse_links(tier: _Tier, name: str) -> None:
                     "checkpoint is never read through a link")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename or an unlink in ``path`` durable (the directory's own entry list)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

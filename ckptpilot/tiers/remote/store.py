@@ -230,9 +230,9 @@ class RemoteTier:
 
     def _rename(self, src: str, dst: str) -> None:
         if self.is_local:
-            _fsync_dir(src)
+            entries.fsync_dir(src)
             os.rename(src, dst)
-            _fsync_dir(os.path.dirname(dst))
+            entries.fsync_dir(os.path.dirname(dst))
             return
         # No rename on an object store: copy every file (server side), then delete the
         # source, commit file first so that it stops being a checkpoint before it is partial.
@@ -532,11 +532,3 @@ def _pread_checked(fd: int, view: memoryview, begin: int, end: int, expected: st
             raise OSError(f"{where}: file ends {len(piece) - got} bytes early")
         got += n
     check_chunk(piece, offset, offset + len(piece), expected, where, digest)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
