@@ -119,3 +119,13 @@ def test_every_docs_page_the_code_cites_exists() -> None:
             cited.append((path.relative_to(ROOT).as_posix(), page))
     assert cited, "the code cites the documentation pages by path"
     assert [(where, page) for where, page in cited if not (ROOT / page).is_file()] == []
+
+
+def test_every_relative_link_in_the_included_results_resolves_inside_the_site() -> None:
+    """bench/RESULTS.md is pasted into docs/benchmarks/results.md, so its links resolve from
+    there: a link that works on GitHub (``../docs/…``, ``plots/…``) fails the strict build."""
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    broken = [t for t in targets if not t.startswith(("http://", "https://", "#"))
+              and not (DOCS / "benchmarks" / t.split("#", 1)[0]).exists()]
+    assert broken == [], f"bench/RESULTS.md links outside the site: {broken}"
