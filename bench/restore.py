@@ -43,8 +43,9 @@ from stall import Layout, State, assert_same, build_state, fresh_state, state_nb
 
 from ckptpilot import CheckpointPilot, load_policy
 from ckptpilot.format.digest import chunk_ranges, hash_pool
+from ckptpilot.hostmem import fresh_bytes
 from ckptpilot.tiers.remote.archive import TENSORS_FILE, read_manifest
-from ckptpilot.tiers.remote.store import RemoteTier, _fresh_bytes
+from ckptpilot.tiers.remote.store import RemoteTier
 
 AHEAD = 256 << 20  # tiers/remote/store.py's _READ_AHEAD_BYTES
 POLICY_YAML = """\
@@ -166,7 +167,7 @@ def main() -> None:
         rec = read_manifest(tier, location.name)["files"][TENSORS_FILE]
         tensors_file = [location / TENSORS_FILE]
 
-        def pread_only(advise: bool, alloc: Callable[[int], np.ndarray] = _fresh_bytes) -> Run:
+        def pread_only(advise: bool, alloc: Callable[[int], np.ndarray] = fresh_bytes) -> Run:
             return lambda: pread(advise, alloc)
 
         def pread(advise: bool, alloc: Callable[[int], np.ndarray]) -> tuple[None, None]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckptpilot.hostmem import fresh_bytes
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.tiers.peer.errors import PeerUnavailable, ProtocolError
 from ckptpilot.tiers.peer.parity import Shard
@@ -144,7 +145,7 @@ class Fetching:
         the other data shards XORed into it there (no buffer of its own)."""
         n, size = stripe.data_shards, stripe.shard_size
         has_parity = stripe.shard_count > n
-        image = (np.empty(stripe.image_len, dtype=np.uint8) if into is None
+        image = (fresh_bytes(stripe.image_len) if into is None
                  else into[:stripe.image_len])
         places = [Shard.of_image(image, i, size, fill=False) for i in range(n)]
         frames: dict[int, Frame] = {}

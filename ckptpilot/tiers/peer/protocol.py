@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckptpilot.hostmem import fresh_bytes
 from ckptpilot.tiers.peer.auth import NO_TAG, TAG_BYTES, Session
 from ckptpilot.tiers.peer.digest import Hasher, is_digest
 from ckptpilot.tiers.peer.errors import ProtocolError
@@ -388,7 +389,7 @@ def read_payload(
     trailer = bytearray(TRAILER_BYTES if head.op in _TRAILED_OPS else 0)
     body_len = head.payload_len - meta_len - len(trailer)
     if into is None:
-        payload = np.empty(body_len, dtype=np.uint8)
+        payload = fresh_bytes(body_len)
         views: Sequence[memoryview] = [memoryview(payload)]
     else:
         views = [v.cast("B") for v in into]

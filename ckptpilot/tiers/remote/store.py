@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import shutil
 import uuid
@@ -60,6 +59,7 @@ from ckptpilot.format.digest import (
     is_chunked,
     read_digest,
 )
+from ckptpilot.hostmem import fresh_bytes
 from ckptpilot.tiers.remote import entries
 from ckptpilot.tiers.remote.directio import DirectWriter
 from ckptpilot.tiers.remote.entries import COMMIT_FILE, STAGING_MARK
@@ -290,7 +290,7 @@ class RemoteTier:
 
     def _read_verified(self, relpath: str, rec: Mapping[str, Any]) -> np.ndarray:
         where = self.path(relpath)
-        buf = _fresh_bytes(int(rec["bytes"]))
+        buf = fresh_bytes(int(rec["bytes"]))
         view = memoryview(buf)
         if is_chunked(rec):
             digest = read_digest(rec, self.verify_reads)
@@ -351,7 +351,7 @@ class RemoteTier:
 
                 def one(r: tuple[int, int, str]) -> None:
                     begin, end, sha = r
-                    scratch = memoryview(_fresh_bytes(end - begin))
+                    scratch = memoryview(fresh_bytes(end - begin))
                     _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin,
                                    ahead=int(rec["bytes"]))
                 for _ in _readers().map(one, ranges):
@@ -362,7 +362,7 @@ class RemoteTier:
         with self.open_read(relpath) as f:
             pending: list[Any] = []
             for begin, end, sha in ranges:
-                data = memoryview(_fresh_bytes(end - begin))
+                data = memoryview(fresh_bytes(end - begin))
                 _readinto_exact(f, data, where)
                 pending.append(_readers().submit(check_chunk, data, begin, end, sha, where))
                 if len(pending) >= 4:
@@ -473,21 +473,6 @@ def _drop_from_page_cache(fd: int) -> None:
 def _readers() -> ThreadPoolExecutor:
     """Reads are waited for (a restore, a validation): they hash at the caller's priority."""
     return hash_pool(background=False)
-
-
-def _fresh_bytes(size: int) -> np.ndarray:
-    """An uninitialised, writable byte buffer of private anonymous memory in ordinary pages.
-
-    Not ``np.empty``: numpy asks for transparent huge pages on large arrays
-    (``MADV_HUGEPAGE``), and where the kernel then compacts memory to find them at the first
-    touch (THP ``defrag: madvise``, a common default) faulting a restore's buffer in costs
-    several times the system time of ordinary pages (bench/RESULTS.md, "Restore: where its
-    time goes"). The memory is returned when the array (and every tensor viewing it) is
-    gone."""
-    if size == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # Windows has no such mapping
-        return np.empty(size, dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                         dtype=np.uint8)
 
 
 def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
