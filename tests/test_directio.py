@@ -6,10 +6,12 @@ import hashlib
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ckptpilot.format.digest import is_chunked
-from ckptpilot.tiers.remote.directio import BUFFER_BYTES, DirectWriter
+from ckptpilot.hostmem import fresh_bytes
+from ckptpilot.tiers.remote.directio import ALIGN, BUFFER_BYTES, ZERO_COPY_BYTES, DirectWriter
 from ckptpilot.tiers.remote.store import RemoteTier
 
 
@@ -78,3 +80,40 @@ def test_the_remote_tier_writes_durable_records_direct_with_the_same_digests(
     tier.verify("a.bin", record)  # every chunk's SHA256 as recorded while writing
     size, sha = tier.write_file("b.bin", pieces)
     assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_a_piece_aligned_like_its_file_offset_goes_from_where_it_is(tmp_path: Path) -> None:
+    """An arena in page-aligned memory, written at a page-aligned file offset (the organ's
+    safetensors file): its bulk goes to the file with no copy, only the bytes around its
+    ends through the buffer."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    arena = fresh_bytes(3 * ZERO_COPY_BYTES + 5 * ALIGN + 123)
+    arena[:] = np.frombuffer(hashlib.sha256(b"arena").digest(), np.uint8).repeat(
+        -(-arena.size // 32))[:arena.size]
+    header = b"h" * (2 * ALIGN)
+    with open(tmp_path / "aligned", "wb") as f:
+        writer = DirectWriter(f)
+        for piece in (header, memoryview(arena)[:100], memoryview(arena)[100:]):
+            writer.write(piece)
+        writer.flush()
+        writer.close()
+    assert (tmp_path / "aligned").read_bytes() == header + arena.tobytes()
+    assert writer.zero_copy_bytes == (arena.size - ALIGN) // ALIGN * ALIGN
+    assert writer.direct_bytes == writer.zero_copy_bytes + 3 * ALIGN  # header + first page
+
+
+def test_a_piece_not_aligned_like_its_file_offset_is_copied(tmp_path: Path) -> None:
+    if not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    arena = fresh_bytes(3 * ZERO_COPY_BYTES)
+    arena[::7] = 9
+    with open(tmp_path / "shifted", "wb") as f:
+        writer = DirectWriter(f)
+        writer.write(b"x" * 100)
+        writer.write(memoryview(arena))
+        writer.flush()
+        writer.close()
+    assert (tmp_path / "shifted").read_bytes() == b"x" * 100 + arena.tobytes()
+    assert writer.zero_copy_bytes == 0
+    assert writer.direct_bytes == 0  # less than one whole buffer

@@ -27,6 +27,7 @@ import torch
 
 from ckptpilot.capture.devicecopy import CopyFence, DeviceCopier, copy_now
 from ckptpilot.errors import StateError
+from ckptpilot.hostmem import fresh_bytes
 
 STATE_FORMAT_VERSION = 1
 
@@ -243,8 +244,11 @@ class _Encoder:
             arena, views = reuse.arena, reuse.tensors
         else:
             total = sum(t.numel() * t.element_size() for _, t in order)
-            pinned = any(t.is_cuda for _, t in order)
-            arena = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+            # Page-aligned either way (pinned memory is whole pages): the organ's file is
+            # written straight from it (``tiers/remote/directio.py``).
+            arena = (torch.empty(total, dtype=torch.uint8, pin_memory=True)
+                     if any(t.is_cuda for _, t in order)
+                     else torch.from_numpy(fresh_bytes(total)))
             views, offset = {}, 0
             for name, src in order:
                 n = src.numel() * src.element_size()

@@ -11,7 +11,11 @@ checkpoint saved after the run was restored, is the continuation it was saved on
 (``storage.lineage``); an optional key, so no new version: older readers ignore it and a
 manifest without it belongs to the run's first continuation. The XXH3 digests did get a new
 version (the file records' keys are pinned by golden files): a ckptpilot that reads only
-versions 1 and 2 refuses a version-3 checkpoint, naming the version.
+versions 1 and 2 refuses a version-3 checkpoint, naming the version. Version 4 changes the
+safetensors file's bytes only: its header is padded with spaces (as the safetensors format
+allows) so that the tensor data starts at a multiple of 4096 bytes, where a page-aligned arena
+goes to the disk with ``O_DIRECT`` and no copy (``tiers/remote/directio.py``); version 3 had
+the tensor data start at a multiple of 8. Reading is the same for both.
 The key order and the one-space indent are part of the format: the metadata store
 records ``self_sha256``, and a golden file pins the bytes.
 
@@ -39,8 +43,8 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = "ckptpilot-organ"
-MANIFEST_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+MANIFEST_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:

@@ -48,6 +48,7 @@ from ckptpilot.format.manifest import (
     encode_manifest,
 )
 from ckptpilot.format.safetensors_header import MAX_HEADER_BYTES, check_safetensors_header
+from ckptpilot.tiers.remote.directio import ALIGN as DATA_ALIGN
 from ckptpilot.tiers.remote.entries import REMOVING_MARK, refuse_links
 from ckptpilot.tiers.remote.store import COMMIT_FILE, STAGING_MARK, RemoteTier
 
@@ -135,7 +136,12 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryview | bytes]:
-    """Yield a safetensors file piece by piece, straight from the tensors' own memory."""
+    """Yield a safetensors file piece by piece, straight from the tensors' own memory.
+
+    The header is padded so that the data starts at a multiple of :data:`DATA_ALIGN` (format
+    version 4): a snapshot's arena is laid out in this very order, so from a page-aligned
+    arena every byte's address is congruent with its file offset, and the durable write
+    sends the tensors to the disk from where they are."""
     header: dict[str, Any] = {"__metadata__": {"format": MANIFEST_FORMAT}}
     # Widest elements first: every tensor then starts at a multiple of its element size,
     # so a reader can view the bytes in place without unaligned access.
@@ -152,7 +158,7 @@ def _safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryv
                         "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)
     yield struct.pack("<Q", len(raw)) + raw
     for _, t in ordered:
         view = _byte_view(t)

@@ -5,19 +5,25 @@ the page cache is where a buffered write spends most of its time on a VM: the ke
 zeroes a fresh page for every 4 KiB written (bench/RESULTS.md, "Where a save's time goes"),
 then the fsync writes them out. With ``O_DIRECT`` the device reads straight from our buffer.
 
-:class:`DirectWriter` wraps a file opened for writing: bytes gather in one page-aligned buffer
-(``O_DIRECT`` needs aligned memory, lengths and offsets) that goes to the file in whole
-buffers with ``O_DIRECT`` switched on (``fcntl``); the tail, shorter than a buffer, is written
-with ``O_DIRECT`` off again, so the file needs no padding. Files smaller than one buffer never
-use it. A file system that refuses ``O_DIRECT`` (tmpfs, some FUSE and network mounts) gets
-ordinary buffered writes. Durability is unchanged: the caller still fsyncs (the tail and the
-file's size are in the page cache until then).
+:class:`DirectWriter` wraps a file opened for writing. ``O_DIRECT`` needs aligned memory,
+lengths and file offsets (:data:`ALIGN`). A piece of at least :data:`ZERO_COPY_BYTES` whose
+address is congruent with its file offset (a page-aligned arena whose bytes start at a
+page-aligned offset of the file: the organ's safetensors file, ``tiers.remote.archive``) goes
+to the file straight from the caller's memory, its aligned body in one write, no copy; the
+rest gathers in one page-aligned buffer that goes to the file with ``O_DIRECT`` whenever it is
+full, or before such a piece once it ends on an aligned offset. The tail, shorter than
+:data:`ALIGN` or than a buffer, is written with ``O_DIRECT`` switched off again (``fcntl``), so
+the file needs no padding. The buffer is mapped on first use and only the pages a write
+touches take memory. A file system that refuses ``O_DIRECT`` (tmpfs, some FUSE and network
+mounts) gets ordinary buffered writes. Durability is unchanged: the caller still fsyncs (the
+tail and the file's size are in the page cache until then).
 
 Threading: one writer per file, used by one thread.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -27,10 +33,18 @@ from typing import IO
 
 log = logging.getLogger("ckptpilot")
 
-__all__ = ["BUFFER_BYTES", "DirectWriter"]
+__all__ = ["ALIGN", "BUFFER_BYTES", "ZERO_COPY_BYTES", "DirectWriter"]
+
+ALIGN = 4096
+"""What ``O_DIRECT`` needs of addresses, lengths and offsets: a multiple of every logical block
+size (512 B, 4 KiB)."""
 
 BUFFER_BYTES = 8 << 20
-"""The aligned buffer: a multiple of every logical block size (512 B, 4 KiB)."""
+"""The aligned buffer (a multiple of :data:`ALIGN`)."""
+
+ZERO_COPY_BYTES = 1 << 20
+"""The least piece written from the caller's memory: below it, one more write to the device
+costs more than copying the piece into the buffer."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -45,24 +59,55 @@ class DirectWriter:
         self._buffer: mmap.mmap | None = None
         self._filled = 0
         self._direct = bool(_O_DIRECT)
+        self._written = 0  # bytes in the file; a multiple of ALIGN while ``_direct``
         self.direct_bytes = 0
         """How many bytes went to the file with ``O_DIRECT`` (for tests and benchmarks)."""
+        self.zero_copy_bytes = 0
+        """Of them, how many went straight from the caller's memory (no copy)."""
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         if not self._direct:
             self._write_all(view)
+            self._written += len(view)
             return len(view)
-        if self._buffer is None:
-            self._buffer = mmap.mmap(-1, BUFFER_BYTES)  # page-aligned, as O_DIRECT needs
         done = 0
         while done < len(view):
-            n = min(len(view) - done, BUFFER_BYTES - self._filled)
-            self._buffer[self._filled:self._filled + n] = view[done:done + n]
-            self._filled += n
-            done += n
+            rest = view[done:]
+            if self._congruent(rest):
+                head = -(self._written + self._filled) % ALIGN
+                self._gather(rest[:head])
+                if self._filled:
+                    self._flush_direct()
+                body = (len(rest) - head) // ALIGN * ALIGN
+                direct = self._write_direct(rest[head:head + body])
+                if direct:
+                    self.zero_copy_bytes += direct
+                    done += head + body
+                    continue
+                done += head
+                rest = view[done:]
+            done += self._gather(rest[:BUFFER_BYTES - self._filled])
             if self._filled == BUFFER_BYTES:
                 self._flush_direct()
+        return len(view)
+
+    def _congruent(self, view: memoryview) -> bool:
+        """Whether ``view`` is worth writing from where it is: long enough, and its address
+        congruent with its offset in the file modulo :data:`ALIGN`."""
+        if not self._direct or len(view) < ZERO_COPY_BYTES + ALIGN:
+            return False
+        address = _address(view)
+        return address is not None and (address - self._written - self._filled) % ALIGN == 0
+
+    def _gather(self, view: memoryview) -> int:
+        """Copy ``view`` into the buffer (room for it is the caller's business)."""
+        if not view:
+            return 0
+        if self._buffer is None:
+            self._buffer = mmap.mmap(-1, BUFFER_BYTES)  # page-aligned, as O_DIRECT needs
+        self._buffer[self._filled:self._filled + len(view)] = view
+        self._filled += len(view)
         return len(view)
 
     def flush(self) -> None:
@@ -70,6 +115,7 @@ class DirectWriter:
         if self._buffer is not None and self._filled:
             self._set_direct(False)
             self._write_all(memoryview(self._buffer)[:self._filled])
+            self._written += self._filled
             self._filled = 0
         self._file.flush()
 
@@ -84,22 +130,42 @@ class DirectWriter:
         return self._fd
 
     def _flush_direct(self) -> None:
-        assert self._buffer is not None
-        view = memoryview(self._buffer)
-        if self._set_direct(True):
-            try:
-                written = os.write(self._fd, view)
-            except OSError as e:  # accepted by fcntl, refused by the write: nothing written
-                if e.errno != errno.EINVAL:
-                    raise
-                written = 0
-            self.direct_bytes += written
-            view = view[written:]
-        if view:  # refused, or a short write: buffered from here on
+        """Write the buffer's :data:`ALIGN`-multiple fill (whole, or ending where a piece
+        written from the caller's memory starts)."""
+        assert self._buffer is not None and self._filled % ALIGN == 0
+        view = memoryview(self._buffer)[:self._filled]
+        self._filled = 0
+        if not self._write_direct(view):
+            self._write_all(view)
+            self._written += len(view)
+
+    def _write_direct(self, view: memoryview) -> int:
+        """Write ``view`` (aligned); returns how much of it went with ``O_DIRECT``: 0, with
+        nothing written, where the file system refuses it (buffered from then on). A short
+        write's rest goes buffered."""
+        if not self._direct:
+            return 0
+        if not self._set_direct(True):
+            self._direct = False
+            return 0
+        try:
+            written = os.write(self._fd, view)
+        except OSError as e:  # accepted by fcntl, refused by the write: nothing written
+            if e.errno != errno.EINVAL:
+                raise
+            written = 0
+        if written == 0:
             self._direct = False
             self._set_direct(False)
-            self._write_all(view)
-        self._filled = 0
+            return 0
+        self.direct_bytes += written
+        self._written += written
+        if written < len(view):  # a short write: the rest buffered, and so on after it
+            self._direct = False
+            self._set_direct(False)
+            self._write_all(view[written:])
+            self._written += len(view) - written
+        return written
 
     def _set_direct(self, on: bool) -> bool:
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
@@ -119,3 +185,12 @@ class DirectWriter:
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
+
+
+def _address(view: memoryview) -> int | None:
+    """The address of ``view``'s first byte; None for memory that ctypes cannot see (a
+    read-only ``bytes``)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:
+        return None
