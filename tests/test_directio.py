@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from ckptpilot.capture.state import TrainingComponents, capture
 from ckptpilot.format.digest import is_chunked
 from ckptpilot.hostmem import fresh_bytes
+from ckptpilot.tiers.remote.archive import TENSORS_FILE, stage_organ
 from ckptpilot.tiers.remote.directio import ALIGN, BUFFER_BYTES, ZERO_COPY_BYTES, DirectWriter
 from ckptpilot.tiers.remote.store import RemoteTier
 
@@ -117,3 +121,18 @@ def test_a_piece_not_aligned_like_its_file_offset_is_copied(tmp_path: Path) -> N
     assert (tmp_path / "shifted").read_bytes() == b"x" * 100 + arena.tobytes()
     assert writer.zero_copy_bytes == 0
     assert writer.direct_bytes == 0  # less than one whole buffer
+
+
+def test_an_organ_is_laid_out_for_the_zero_copy_write(tmp_path: Path) -> None:
+    """The two halves of the zero-copy write: a captured arena is page-aligned, and the
+    safetensors file's tensor data starts at a page-aligned offset, in the arena's order."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 7), torch.nn.Linear(7, 1000))
+    snapshot = capture(TrainingComponents(model), step=3)
+    assert snapshot.arena is not None and snapshot.arena.data_ptr() % ALIGN == 0
+    tier = RemoteTier(str(tmp_path / "ckpt"))
+    staged = stage_organ(tier, snapshot)
+    raw = (tmp_path / "ckpt" / staged.staging / TENSORS_FILE).read_bytes()
+    (header_len,) = struct.unpack_from("<Q", raw)
+    assert (8 + header_len) % ALIGN == 0
+    assert raw[8 + header_len:] == snapshot.arena.numpy().tobytes()
