@@ -146,6 +146,7 @@ class Sizes:
     mlp_batch: int
     demo_steps: int
     quick: bool
+    loop_threads: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Sizes:
@@ -154,7 +155,7 @@ class Sizes:
                        demo_steps=20, quick=True)
         return cls(gb=args.gb, rounds=args.rounds, steps=args.steps, every=args.every,
                    mlp_hidden=MLP_HIDDEN, mlp_batch=MLP_BATCH, demo_steps=args.steps,
-                   quick=False)
+                   quick=False, loop_threads=args.loop_threads)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -1093,12 +1094,18 @@ DEMO_VARIANTS = ("demo_none", "demo_pilot")
 
 def training(sizes: Sizes, workdir: Path, exclude: Collection[int]
              ) -> dict[str, list[LoopRun]]:
+    """Every loop variant ``sizes.rounds`` times, interleaved, with ``sizes.loop_threads``
+    torch threads: by default one, so that training leaves a core to background work as a
+    GPU job's CPU does; with every core busy training, two OpenMP threads spin at each
+    operator's barrier whenever anything else runs, and wall times swing by more than any
+    checkpointing costs."""
     runs: dict[str, list[LoopRun]] = {v: [] for v in (*MLP_VARIANTS, *DEMO_VARIANTS)}
-    for r in range(sizes.rounds):
-        for variants in (MLP_VARIANTS, DEMO_VARIANTS):
-            for v in rotated(variants, r):
-                progress(f"training loop {v}, round {r + 1} of {sizes.rounds}")
-                runs[v].append(train(v, sizes, workdir / f"loop-{v}-{r}", exclude))
+    with torch_threads(sizes.loop_threads):
+        for r in range(sizes.rounds):
+            for variants in (MLP_VARIANTS, DEMO_VARIANTS):
+                for v in rotated(variants, r):
+                    progress(f"training loop {v}, round {r + 1} of {sizes.rounds}")
+                    runs[v].append(train(v, sizes, workdir / f"loop-{v}-{r}", exclude))
     for variants in (MLP_VARIANTS, DEMO_VARIANTS):
         want = runs[variants[0]][0].final_loss
         for v in variants:
@@ -1287,8 +1294,9 @@ def print_training(runs: dict[str, list[LoopRun]], sizes: Sizes, mlp_bytes: int,
               "demo_pilot": "demo model, ckptpilot default policy"}
     print(f"## Training loop (MLP: {gb(mlp_bytes)} of state, batch {sizes.mlp_batch}, "
           f"{sizes.steps} steps; demo model: {gb(demo_bytes)} of state, {sizes.demo_steps} "
-          f"steps; medians of {sizes.rounds} runs; overhead and extra CPU: per round against "
-          "the same round's run without checkpointing, then the median)")
+          f"steps; {sizes.loop_threads} torch thread(s); medians of {sizes.rounds} runs; "
+          "overhead and extra CPU: per round against the same round's run without "
+          "checkpointing, then the median)")
     print()
     print("| variant | wall s | overhead | median step ms | saves | CPU-s | extra CPU-s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -1313,10 +1321,10 @@ def print_training(runs: dict[str, list[LoopRun]], sizes: Sizes, mlp_bytes: int,
                      f"stall + persist (s), first run: {secs(rs[0].durable)}")
         print(line)
     print("final losses of every run bit-identical to the loop without checkpointing: yes")
-    print(f"torch trains with {torch.get_num_threads()} intra-op threads: while other processes "
-          "hold cores, its OpenMP threads wait at every operator's barrier and every "
-          "variant's wall and CPU time grow erratically; compare the runs above only at a "
-          "low load average.")
+    print(f"the loops train with {sizes.loop_threads} torch thread(s) of "
+          f"{os.cpu_count()} cores (--loop-threads): with more, OpenMP threads wait at every "
+          "operator's barrier whenever another process holds a core, and wall and CPU times "
+          "grow erratically; compare the runs above only at a low load average.")
     print()
 
 
@@ -1521,6 +1529,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="training-loop steps")
     parser.add_argument("--every", type=int, default=20,
                         help="training-loop steps between checkpoints")
+    parser.add_argument("--loop-threads", type=int, default=1,
+                        help="torch threads of the training loops (default 1: a core left to "
+                        "background work, as on a GPU node)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny sizes, one round (ignores the four above)")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR,
