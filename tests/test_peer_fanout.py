@@ -108,3 +108,29 @@ def test_a_fetch_falls_back_to_asking_every_peer_when_its_group_lost_two_shards(
         with pytest.raises(Exception, match="cannot be recovered"):
             t.fetch(1)
     assert saw(cluster, run, "LIST") == {d.endpoint for d in cluster}
+
+
+def test_a_fresh_process_fetches_from_the_recorded_holders_alone(
+        cluster: list[Daemon]) -> None:
+    """A restore in a new process knows where the save went only from its own record (the
+    peer row's location): it asks those peers, not all of them."""
+    run = "recorded"
+    with tier(cluster, run) as first:
+        put = first.put(1, image(1), b"m")
+    with tier(cluster, run) as second:  # a restarted process: it never put checkpoint 1
+        fetched = second.fetch(1, holders=put.endpoints)
+        assert bytes(fetched.image) == image(1)
+    assert saw(cluster, run, "LIST") == set(put.endpoints)
+    assert saw(cluster, run, "GET", 1) <= set(put.endpoints)
+
+
+def test_recorded_holders_that_lost_it_make_the_fetch_ask_every_peer(
+        cluster: list[Daemon]) -> None:
+    run = "recorded-stale"
+    others = [d.endpoint for d in cluster]
+    with tier(cluster, run) as first:
+        put = first.put(1, image(1), b"m")
+    wrong = [e for e in others if e not in put.endpoints][:2]
+    with tier(cluster, run) as second:
+        assert bytes(second.fetch(1, holders=wrong).image) == image(1)
+    assert saw(cluster, run, "LIST") == set(others)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,7 +58,8 @@ class Fetching:
     _layouts: dict[int, Layout]
 
     def fetch(
-        self, ckpt_id: int | None = None, *, into: np.ndarray | None = None
+        self, ckpt_id: int | None = None, *, into: np.ndarray | None = None,
+        holders: Collection[str] = (),
     ) -> PeerFetchResult:
         """Checkpoint ``ckpt_id`` (None: the newest recoverable), bit-exact and verified.
 
@@ -67,6 +68,11 @@ class Fetching:
         straight into ``into`` (its first ``image_len`` bytes; a writable 1-D uint8 array,
         say a buffer the caller reuses, whose memory is already mapped) or else into a fresh
         array; ``ValueError`` before anything is fetched when ``into`` is too small.
+
+        ``holders``: where the caller's own record says ``ckpt_id`` was put (a restore in a
+        fresh process, which did not put it: the peer row's location). Those of them this
+        tier knows are asked first, alone, so a job's restart does not make every rank ask
+        every daemon; every peer is asked only when they cannot deliver it.
         """
         start = time.perf_counter()
         self._check_open()
@@ -77,6 +83,11 @@ class Fetching:
         known = self._fetch_known(ckpt_id, start, into)
         if known is not None:
             return known
+        asked = [e for e in holders if e in self.endpoints]
+        if ckpt_id is not None and asked:
+            recorded = self._fetch_from(ckpt_id, asked, start, into)
+            if recorded is not None:
+                return recorded
         catalog, unreachable = self._catalog()
         if ckpt_id is not None:
             candidates = [ckpt_id]
@@ -133,6 +144,24 @@ class Fetching:
         except PeerUnavailable as e:
             log.info("peer tier: checkpoint %d not fetched from where it was put (%s); asking "
                      "every peer", layout.ckpt_id, e)
+            return None
+
+    def _fetch_from(
+        self, ckpt_id: int, holders: Sequence[str], start: float, into: np.ndarray | None
+    ) -> PeerFetchResult | None:
+        """Checkpoint ``ckpt_id`` from ``holders`` alone (LIST on them only); None when they
+        do not hold all of it, committed, or any shard fails there: then :meth:`fetch` asks
+        every peer."""
+        catalog, unreachable = self._catalog(holders)
+        stripe = catalog.get(ckpt_id)
+        if stripe is None or not stripe.committed or (
+                into is not None and into.size < stripe.image_len):
+            return None
+        try:
+            return self._fetch_one(stripe, unreachable, start, into)
+        except PeerUnavailable as e:
+            log.info("peer tier: checkpoint %d not fetched from its recorded holders (%s); "
+                     "asking every peer", ckpt_id, e)
             return None
 
     def _fetch_one(
@@ -259,9 +288,11 @@ class Fetching:
         down = ", ".join(f"{e}: {r}" for e, r in sorted(unreachable.items()))
         return "held by no reachable peer" + (f" (unreachable: {down})" if down else "")
 
-    def _catalog(self) -> tuple[dict[int, Stripe], dict[str, str]]:
-        """LIST on every endpoint: this run's checkpoints by id, and why unreachable peers
-        could not answer."""
+    def _catalog(self, endpoints: Sequence[str] | None = None
+                 ) -> tuple[dict[int, Stripe], dict[str, str]]:
+        """LIST on every endpoint (or on ``endpoints``): this run's checkpoints by id, and why
+        unreachable peers could not answer."""
+        asked = tuple(self.endpoints if endpoints is None else endpoints)
         header = {"run_id": self.run_id}
 
         def ask(endpoint: str) -> list[dict[str, Any]] | str:
@@ -272,8 +303,7 @@ class Fetching:
 
         catalog: dict[int, Stripe] = {}
         unreachable: dict[str, str] = {}
-        for endpoint, shards in zip(self.endpoints, self._pool.map(ask, self.endpoints),
-                                    strict=True):
+        for endpoint, shards in zip(asked, self._pool.map(ask, asked), strict=True):
             if isinstance(shards, str):
                 unreachable[endpoint] = shards
                 continue
