@@ -6,6 +6,11 @@ guard, the agreement before the restorer and the per-step decider), and in which
 stops run (:data:`STOP_ORDER`). A failure half-way through stops exactly what was started;
 once every part runs, their stops go on the caller's ``ExitStack``.
 
+It is also the one module above ``tiers/`` that knows the concrete tiers: :func:`memory_tier`,
+:func:`peer_tier` and :func:`remote_tier` build the :class:`~ckptpilot.tiers.base.CheckpointTier`
+objects the writer and the restorer are given, and the tier conformance suite
+(``tests/tiers/``) builds the objects it certifies through the same functions.
+
 It must not train, save or restore. Threading: the training thread, once per pilot.
 """
 
@@ -44,15 +49,18 @@ from ckptpilot.storage.heartbeat import HeartbeatWriter, read_latest
 from ckptpilot.storage.ledger import FailureLedger
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.telemetry import Telemetry
+from ckptpilot.tiers.base import CheckpointTier
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerCheckpointTier, PeerTier
 from ckptpilot.tiers.remote.store import RemoteTier
+from ckptpilot.tiers.remote.tier import RemoteCheckpointTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 
 if TYPE_CHECKING:
     from ckptpilot.sharded import ShardedState
 
-__all__ = ["STOP_ORDER", "RunParts", "open_parts"]
+__all__ = ["STOP_ORDER", "RunParts", "codec_selector", "memory_tier", "open_parts", "peer_tier",
+           "remote_tier"]
 
 log = logging.getLogger("ckptpilot")
 
@@ -89,6 +97,34 @@ class RunParts:
     copier: devicecopy.StepFences | None  # device tensors: captures overlap the next steps
     preemption: PreemptionGuard
     watchdog: HangWatchdog
+
+
+def memory_tier(max_bytes: int, pool: HostBufferPool) -> MemoryTier:
+    """The memory tier of one rank: its newest valid save, held in the snapshot pool's own
+    buffers (``tiers.memory.max_bytes`` bounds it)."""
+    return MemoryTier(max_bytes, pool)
+
+
+def peer_tier(peers: PeerTier, *, rank: int) -> CheckpointTier:
+    """Rank ``rank``'s images on the peer tier ``peers`` (closing it closes ``peers``)."""
+    return PeerCheckpointTier(peers, rank=rank)
+
+
+def codec_selector(policy: Policy) -> CodecSelector:
+    """The codecs a pulse goes through on the remote tier (``codecs`` policy), chosen at the
+    tier's ``bandwidth``."""
+    codecs = policy.codecs
+    return CodecSelector(
+        {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
+        bandwidth_bytes_per_s=policy.tiers.remote.bandwidth, level=codecs.zstd_level,
+        prefix_bits=codecs.prefix_bits, threads=codecs.threads)
+
+
+def remote_tier(remote: RemoteTier, *, rank: int, validator: PostWriteValidator | None = None,
+                codecs: CodecSelector | None = None) -> CheckpointTier:
+    """Rank ``rank``'s archives on ``remote``, validated by ``validator`` before publication
+    and encoded by ``codecs`` when a save asks for codecs (see ``tiers.remote.tier``)."""
+    return RemoteCheckpointTier(remote, rank=rank, validator=validator, codecs=codecs)
 
 
 def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, world_size: int,
@@ -143,7 +179,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     background.use_idle_priority(policy.async_.background_priority == "idle")
     pool = HostBufferPool(max_pending)
     mem, peer = policy.tiers.memory, policy.tiers.peer
-    memory = MemoryTier(mem.max_bytes, pool) if mem.enabled else None
+    memory = memory_tier(mem.max_bytes, pool) if mem.enabled else None
     peers = None
     if peer.enabled:
         peers = PeerTier.from_policy(peer, run_id=f"{run_dir.name}-{run_id}.rank{rank:05d}")
@@ -152,17 +188,16 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     telemetry = Telemetry(run_dir, rank=rank, tensorboard=obs.tensorboard,
                           decision_log=obs.decision_log)
     started["telemetry"] = telemetry.close
-    codecs = policy.codecs
-    pulse_codecs = CodecSelector(
-        {"weights": codecs.weights, "optimizer": codecs.optimizer, "other": codecs.other},
-        bandwidth_bytes_per_s=policy.tiers.remote.bandwidth, level=codecs.zstd_level,
-        prefix_bits=codecs.prefix_bits, threads=codecs.threads)
+    pulse_codecs = codec_selector(policy)
     retention = policy.retention
     pruner = (AutoPruner(store, run_id, remote, retention, world_size=world_size)
               if rank == 0 and (retention.auto or retention.budgeted) else None)
-    writer = CheckpointWriter(catalog=catalog, remote=remote, peers=peers, memory=memory,
-                              pool=pool, validator=validator, pulse_codecs=pulse_codecs,
-                              telemetry=telemetry, max_pending=max_pending, pruner=pruner)
+    tiers = [remote_tier(remote, rank=rank, validator=validator, codecs=pulse_codecs)]
+    if peers is not None:
+        tiers.append(peer_tier(peers, rank=rank))
+    writer = CheckpointWriter(catalog=catalog, tiers={t.kind: t for t in tiers}, keeper=memory,
+                              pool=pool, telemetry=telemetry, max_pending=max_pending,
+                              pruner=pruner)
     started["writer"] = writer.shutdown
     hb_path = heartbeat_path(run_dir, rank)
     previous_heartbeat = read_latest(hb_path)
@@ -204,9 +239,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,
         heartbeat=heartbeat, lifecycle=lifecycle, rollback=rollback, health=health,
-        agreement=agreement, restorer=Restorer(
-            catalog, remote, None if peers is None else PeerCheckpointTier(peers, rank=rank),
-            memory, agreement, world_size),
+        agreement=agreement, restorer=Restorer(catalog, tiers, memory, agreement, world_size),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
                           rollback=rollback, notice=lambda: preemption.pending),
         sharded=sharded, copier=copier, preemption=preemption, watchdog=watchdog)

@@ -1,27 +1,31 @@
 """Finding and loading the checkpoint to resume from (SPEC §7).
 
-This module owns :class:`Restorer`: it lists what this rank could restore (published remote
-archives with their rows, the memory tier's newest snapshot, the peers' checkpoint), orders
-it by the recovery planner (``validation.recovery``: newest valid first, walk back on
-damage, then the newest organ), tries each step's sources fastest first, re-verifying every
-read, and hands the first that verifies to the caller's ``apply``. In a distributed run every
-rank restores the same step (:class:`~ckptpilot.agreement.RankAgreement`). A checkpoint
-the rank's lineage record says a restore abandoned (``storage.lineage``) is never loaded,
+This module owns :class:`Restorer`: it lists what this rank could restore from each of its
+sources, :class:`~ckptpilot.tiers.base.CheckpointTier` objects the assembly built (the
+keeper's images, e.g. the memory tier's newest snapshot; a recorded tier's steps with a
+``valid`` row, e.g. the peers' checkpoint; a durable tier's own listing with its rows, e.g.
+the remote archives), orders it by the recovery planner (``validation.recovery``: newest
+valid first, walk back on damage, then the newest organ), tries each step's sources fastest
+first (``capabilities.speed``), each read opened against the digest its row recorded, and
+hands the first that verifies to the caller's ``apply``. In a distributed run every rank
+restores the same step (:class:`~ckptpilot.agreement.RankAgreement`). A checkpoint the
+rank's lineage record says a restore abandoned (``storage.lineage``) is never loaded,
 whatever its row says or when it has none: remote archives without a row are excluded from
-their manifest's ``branch``, every read is checked again on its state's. It also repairs
-what a killed writer left (staging debris, rows still ``pending``) and condemns copies that
-fail verification.
+their own labels' ``branch``, every read is checked again on its state's. It also repairs
+what a killed writer left in a durable tier (unfinished saves, rows still ``pending``) and
+condemns copies that fail verification. It names no concrete tier: what differs between
+sources comes from their capabilities and the protocols they implement.
 
-It must not change the live run beyond ``apply``: what a restore means for the step counters,
-the scheduler, the ledger and the data cursor is the pilot's. Threading: the training thread,
-with the writer idle (the pilot flushes it first).
+It must not change the live run beyond ``apply``: what a restore means for the step
+counters, the scheduler, the ledger and the data cursor is the pilot's. Threading: the
+training thread, with the writer idle (the pilot flushes it first).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -33,25 +37,13 @@ from ckptpilot.catalog import Catalog, Pin
 from ckptpilot.errors import (
     CheckpointFormatError,
     CkptPilotError,
-    IntegrityError,
     LineageError,
     NoCheckpointError,
 )
 from ckptpilot.storage.lineage import Lineage
-from ckptpilot.tiers.base import CheckpointImage
-from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PEER_ERRORS, PeerCheckpointTier
-from ckptpilot.tiers.remote.archive import (
-    ArchiveListing,
-    checkpoint_name,
-    list_archives,
-    parse_checkpoint_name,
-    read_manifest,
-    read_organ,
-)
-from ckptpilot.tiers.remote.store import RemoteTier
+from ckptpilot.tiers.base import CheckpointTier, OpenedImage, Survey, Surveyed
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
-from ckptpilot.vocab import Level, RecoverySource, Status, Tier
+from ckptpilot.vocab import Level, RecoverySource, Status
 
 __all__ = ["MAX_RECOVERY_WALK", "Restored", "Restorer", "SkippedCheckpoint"]
 
@@ -127,15 +119,24 @@ class _Plan:
 class Restorer:
     """Walks the recovery plan over this rank's tiers; see the module docstring."""
 
-    def __init__(self, catalog: Catalog, remote: RemoteTier, peers: PeerCheckpointTier | None,
-                 memory: MemoryTier | None, agreement: RankAgreement | None,
+    def __init__(self, catalog: Catalog, tiers: Sequence[CheckpointTier],
+                 keeper: CheckpointTier | None, agreement: RankAgreement | None,
                  world_size: int = 1) -> None:
+        """``tiers``: the tiers the writer records rows for (one of them durable and
+        :class:`~ckptpilot.tiers.base.Surveyed`: the remote tier); ``keeper``: the tier of
+        this process's own images, which need no row (the memory tier; None when off)."""
         self._world_size = world_size
         self._catalog = catalog
         self._rank = catalog.rank
-        self._remote = remote
-        self._peers = peers
-        self._memory = memory
+        self._keeper = keeper
+        self._tiers = sorted(tiers, key=lambda t: t.capabilities.speed)
+        self._by_kind = {t.kind: t for t in self._tiers}
+        surveyed = [t for t in self._tiers if isinstance(t, Surveyed)]
+        if len(surveyed) != 1:
+            raise ValueError(f"a restore needs exactly one durable tier it can list, got "
+                             f"{[t.where for t in surveyed]}")
+        self._durable: Surveyed = surveyed[0]
+        self._durable_tier: CheckpointTier = surveyed[0]
         self._agreement = agreement
         self._lineage: Lineage | None = None  # of the restore being planned; None: forced
 
@@ -217,7 +218,7 @@ class Restorer:
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
         self._lineage = None if forced else self._catalog.lineage()
-        candidates, missing, digests = self._remote_candidates(self._lineage)
+        candidates, missing, digests = self._durable_candidates(self._lineage)
         if before is not None:
             candidates = [c for c in candidates if c.step < before]
             missing = [(s, m) for s, m in missing if s < before]
@@ -228,12 +229,11 @@ class Restorer:
         return _Plan(
             step=step, pin=pin, options=options,
             steps=sorted(options, reverse=True), missing=missing,
-            skipped=[SkippedCheckpoint(self._remote.path(c.name), why)
-                     for c, why in plan.excluded] + unproven)
+            skipped=[SkippedCheckpoint(c.name, why) for c, why in plan.excluded] + unproven)
 
     def _nothing_loads(self, step: int | None, skipped: list[SkippedCheckpoint]) -> str:
         what = f"step {step}" if step is not None else "any step"
-        url = self._remote.url
+        url = self._durable.url
         if not skipped:
             return (f"no usable checkpoint of {what} for rank {self._rank} in {url}"
                     + (" on every rank" if self._agreement is not None else ""))
@@ -245,37 +245,35 @@ class Restorer:
     def _options(self, plan: RecoveryPlan, step: int | None, forced: bool,
                  digests: Mapping[int, str], before: int | None
                  ) -> tuple[dict[int, list[_Option]], list[SkippedCheckpoint]]:
-        """For each step this rank could restore, its sources, fastest first; and the peer
-        copies left out because no row can prove them."""
+        """For each step this rank could restore, its sources, fastest first; and the copies
+        left out because no row can prove them. A forced restore reads the durable tier
+        alone (what ``recover --force`` pinned)."""
         options: dict[int, list[_Option]] = {}
         below = math.inf if before is None else before
-        memory = self._memory
-        held = memory.steps() if memory is not None and not forced else []
-        for target in (t for t in held if t < below and (step is None or t == step)):
-            assert memory is not None
-            options.setdefault(target, []).append(_Option(
-                f"memory:step {target}",
-                partial(_read, memory.get, target, RecoverySource.MEMORY, self._world_size),
-                (IntegrityError, NoCheckpointError), lambda error: None))
-        newest_remote = plan.attempts[0].step if plan.attempts else -1
-        peer_steps, unproven = (self._peer_targets(step, newest_remote) if not forced
-                                else ({}, []))
-        for target, recorded in peer_steps.items():
-            if target >= below:
+        newest_durable = plan.attempts[0].step if plan.attempts else -1
+        targets: list[tuple[CheckpointTier, int, str | None]] = []
+        unproven: list[tuple[int, SkippedCheckpoint]] = []
+        keeper = self._keeper
+        if keeper is not None and not forced:
+            targets += [(keeper, t, None) for t in keeper.steps()
+                        if step is None or t == step]
+        for tier in self._tiers:
+            if tier is self._durable_tier or forced:
                 continue
-            assert self._peers is not None
-            options.setdefault(target, []).append(_Option(
-                f"peer:{self._peers.peers.run_id}/{target}",
-                partial(_read, partial(self._peers.get, expect=recorded), target,
-                        RecoverySource.PEER, self._world_size),
-                (*PEER_ERRORS, RuntimeError),
-                partial(self._catalog.condemn, target, Tier.PEER)))
+            recorded, left = self._recorded_targets(tier, step, newest_durable)
+            targets += [(tier, t, digest) for t, digest in recorded.items()]
+            unproven += left
         for cand in plan.attempts:
-            expected = digests.get(cand.step) if cand.status is not None else None
-            options.setdefault(cand.step, []).append(_Option(
-                self._remote.path(cand.name), partial(self._read_remote, cand.name, expected),
-                (CheckpointFormatError, OSError),
-                partial(self._condemn_remote, cand.step)))
+            tier = self._by_kind[cand.tier]
+            targets.append((tier, cand.step, digests.get(cand.step)
+                            if cand.status is not None else None))
+        targets.sort(key=lambda target: target[0].capabilities.speed)
+        for tier, target, expect in targets:
+            if target < below:
+                options.setdefault(target, []).append(_Option(
+                    tier.locate(target),
+                    partial(_read, tier, target, expect, self._world_size),
+                    tier.failures, partial(self._condemn, tier, target)))
         return options, [s for t, s in unproven if t < below]
 
     def _read_first(self, options: list[_Option], skipped: list[SkippedCheckpoint]
@@ -307,145 +305,120 @@ class Restorer:
             if why is not None:
                 raise _Abandoned(why)
 
-    def _peer_targets(self, step: int | None, newest_remote: int
-                      ) -> tuple[dict[int, str], list[tuple[int, SkippedCheckpoint]]]:
-        """Peer checkpoints to try, newest first, each with the digest its row recorded
-        (``stripe_record``): ``step`` if it is a valid peer row, else the valid peer rows at
-        least as new as the newest remote candidate. The peers keep one state per run, so
-        this is normally one checkpoint.
+    def _recorded_targets(self, tier: CheckpointTier, step: int | None, newest_durable: int
+                          ) -> tuple[dict[int, str], list[tuple[int, SkippedCheckpoint]]]:
+        """The steps of a tier that is not durable to try, newest first, each with the
+        digest its row recorded (the peers: ``stripe_record``): ``step`` if it is a valid
+        row, else the valid rows at least as new as the newest durable candidate. The peers
+        keep one state per run, so this is normally one checkpoint.
 
-        With no peer rows (the metadata lost or rebuilt), nothing recorded what this trainer
-        put, and a copy proven only by the digests the peers send could be anyone's: the
-        peers are not read, and what they hold is reported as skipped."""
-        if self._peers is None:
-            return {}, []
-        rows = self._catalog.rows(Tier.PEER)
+        With no rows of the tier (the metadata lost or rebuilt), nothing recorded what this
+        trainer put, and a copy proven only by the digests the tier keeps could be anyone's:
+        it is not read, and what it holds is reported as skipped."""
+        rows = self._catalog.rows(tier.kind)
         if not rows:
             try:
-                held = self._peers.steps()
-            except PEER_ERRORS as e:
-                log.warning("cannot list the peer tier: %s", e)
+                held = tier.steps()
+            except tier.failures as e:
+                log.warning("cannot list %s: %s", tier.where, e)
                 return {}, []
-            where = f"peer:{self._peers.peers.run_id}"
             return {}, [(s, SkippedCheckpoint(
-                f"{where}/{s}", "not read: no metadata row records what this trainer put on "
-                "the peers (metadata lost or rebuilt?), so their copy cannot be proven; the "
-                "remote tier is read instead"))
+                tier.locate(s), f"not read: no metadata row records what this trainer put on "
+                f"{tier.where} (metadata lost or rebuilt?), so its copy cannot be proven; "
+                f"{self._durable.url} is read instead"))
                 for s in sorted(held, reverse=True)
-                if (s == step if step is not None else s >= newest_remote)]
+                if (s == step if step is not None else s >= newest_durable)]
         recorded = {r.step: r.sha256 for r in rows if r.status is Status.VALID}
         if step is not None:
             return ({step: recorded[step]} if step in recorded else {}), []
-        newer = sorted((s for s in recorded if s >= newest_remote), reverse=True)
+        newer = sorted((s for s in recorded if s >= newest_durable), reverse=True)
         return {s: recorded[s] for s in newer[:MAX_RECOVERY_WALK]}, []
 
-    def _read_remote(self, name: str, manifest_sha256: str | None) -> Read:
-        loaded = read_organ(self._remote, name, manifest_sha256=manifest_sha256)
-        read = sum(int(f["bytes"]) for f in loaded.manifest["files"].values())
-        return Read(RecoverySource.REMOTE, Level(loaded.manifest["level"]), loaded.location,
-                    read, loaded.meta, loaded.tensor)
+    def _condemn(self, tier: CheckpointTier, step: int, error: BaseException) -> None:
+        """A copy that failed on restore is condemned in its row; on a durable tier only for
+        wrong bytes: an I/O error may pass (a flaky mount) and must not condemn a good
+        checkpoint to the next prune. (The keeper has no rows: nothing to condemn.)"""
+        if isinstance(error, CheckpointFormatError) or not tier.capabilities.durable:
+            self._catalog.condemn(step, tier.kind, error)
 
-    def _condemn_remote(self, step: int, error: BaseException) -> None:
-        """Only wrong bytes mark a remote copy corrupted; an I/O error may pass (a flaky
-        mount) and must not condemn a good checkpoint to the next prune."""
-        if isinstance(error, CheckpointFormatError):
-            self._catalog.condemn(step, Tier.REMOTE, error)
-
-    def _remote_candidates(self, lineage: Lineage | None
-                           ) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
-                                      dict[int, str]]:
-        """Published archives of this rank with their metadata status, and the ``valid`` rows
-        whose archive is missing (deleted, a wrong mount or ``tiers.remote.url``): those count
-        as checkpoints that exist, so losing them is never a silent restart from scratch.
-        An archive without a row is excluded when ``lineage`` says a restore abandoned it
-        (None: a forced restore, which loads what it is told).
-        Repairs the traces a killed writer left (staging directories, rows still
-        ``pending``). Also returns the manifest digest each step's row recorded."""
-        remote = self._remote
+    def _durable_candidates(self, lineage: Lineage | None
+                            ) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
+                                       dict[int, str]]:
+        """Published images of this rank on the durable tier with their metadata status, and
+        the ``valid`` rows whose image is missing (deleted, a wrong mount or
+        ``tiers.remote.url``): those count as checkpoints that exist, so losing them is
+        never a silent restart from scratch. An image without a row is excluded when
+        ``lineage`` says a restore abandoned it (None: a forced restore, which loads what it
+        is told). Repairs the traces a killed writer left (unfinished saves, rows still
+        ``pending``). Also returns the digest each step's row recorded."""
+        durable, tier = self._durable, self._durable_tier
         try:
-            listing = list_archives(remote, self._rank)
+            survey = durable.survey()
         except OSError as e:
-            log.warning("cannot list the remote tier %s: %s", remote.url, e)
-            listing, unlisted = ArchiveListing(published=[], staging=[]), str(e)
+            log.warning("cannot list %s: %s", tier.where, e)
+            survey, unlisted = Survey(published={}, unfinished=[]), str(e)
         else:
             unlisted = None
-        for debris in listing.staging:
-            log.warning("removing %s: a save that never finished (writer killed)",
-                        remote.path(debris))
+        for debris in survey.unfinished:
+            log.warning("removing %s: a save that never finished (writer killed)", debris)
             try:
-                remote.remove(debris)
+                durable.clear(debris)
             except OSError as e:
-                log.warning("cannot remove %s: %s", remote.path(debris), e)
-        published = dict((name, s) for s, name in listing.published)
-        # Only this pilot's own archives: a ``ckptpilot.dcp`` checkpoint in the same run
+                log.warning("cannot remove %s: %s", debris, e)
+        published = survey.published
+        # Only this pilot's own images: a ``ckptpilot.dcp`` checkpoint in the same run
         # directory has rows of its own layout, which this restore does not read.
-        rows = {step: row for step, row in self._catalog.newest_rows_by_step(Tier.REMOTE).items()
-                if parse_checkpoint_name(_entry(row.location)) is not None}
+        rows = {step: row for step, row in self._catalog.newest_rows_by_step(tier.kind).items()
+                if durable.owns(row.location)}
         moves = self._catalog.moves
         for row in rows.values():
             if row.status is not Status.PENDING:
                 continue
-            name = checkpoint_name(row.step, self._rank)
-            if name in published:  # validated, published, killed before the row was marked
-                rows[row.step] = moves.publish(row.key, location=remote.path(name))
+            if row.step in published:  # validated, published, killed before the row was marked
+                rows[row.step] = moves.publish(row.key, location=published[row.step])
             else:
                 rows[row.step] = moves.condemn(
                     row.key, "the writer died before the checkpoint was published")
         candidates = []
-        for name, step in published.items():
+        for step, location in published.items():
             row = rows.get(step)
             if row is not None:
-                candidates.append(Candidate(step, row.level, Tier.REMOTE, name, row.status))
+                candidates.append(Candidate(step, row.level, tier.kind, location, row.status))
                 continue
-            try:  # no metadata (database lost or rebuilt): the manifest says what it is
-                manifest = read_manifest(remote, name)
+            try:  # no metadata (database lost or rebuilt): the image's labels say what it is
+                labels = durable.labels(step)
             except (CheckpointFormatError, OSError):  # reading it again reports why
                 level, abandoned = "unknown", None
             else:
-                level = manifest["level"]
+                level = labels["level"]
                 abandoned = (None if lineage is None
-                             else lineage.why_abandoned(manifest.get("branch"), step))
-            candidates.append(Candidate(step, level, Tier.REMOTE, name, None, abandoned))
+                             else lineage.why_abandoned(labels.get("branch"), step))
+            candidates.append(Candidate(step, level, tier.kind, location, None, abandoned))
         missing = [
             (row.step, SkippedCheckpoint(row.location, (
-                f"recorded valid but cannot list {remote.url}: {unlisted}" if unlisted
-                else f"recorded valid but its data is missing from {remote.url} "
+                f"recorded valid but cannot list {durable.url}: {unlisted}" if unlisted
+                else f"recorded valid but its data is missing from {durable.url} "
                 "(deleted, or a wrong mount / tiers.remote.url?)")))
             for row in sorted(rows.values(), key=lambda r: -r.step)
-            if row.status is Status.VALID and checkpoint_name(row.step, self._rank)
-            not in published]
+            if row.status is Status.VALID and row.step not in published]
         if unlisted is not None and not missing:  # nothing recorded, nothing listable
             missing.append((_ALWAYS_REPORTED, SkippedCheckpoint(
-                remote.url, f"cannot list the remote tier: {unlisted}")))
+                durable.url, f"cannot list {tier.where}: {unlisted}")))
         return candidates, missing, {step: row.sha256 for step, row in rows.items()}
 
 
-def _entry(location: str) -> str:
-    """The checkpoint name in a row's location: its last path part, before any ``.staging-``
-    or set-aside suffix."""
-    return location.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
-
-
-def _read(get: Callable[[int], CheckpointImage], step: int, source: RecoverySource,
-          world_size: int) -> Read:
-    """``step`` from a tier's ``get``, verified by the tier (the peers' against the digest
-    their row recorded), as a read the pilot applies; a copy saved by a run of another world
-    size is never trusted (a rank-local tier's copy belongs to one rank of one layout of the
-    job)."""
-    image = get(step)
-    where = image.source
-    saved = image.meta.get("world_size")
-    if saved != world_size:
-        raise _OtherWorldSize(
-            f"saved by a run of {saved} ranks and this one has {world_size}: rank-local tiers "
-            "are never trusted across a world-size change, the remote tier is read instead")
-    tensors = image.tensors()
-
-    def get_tensor(key: str) -> torch.Tensor:
-        try:
-            return tensors[key]
-        except KeyError:
-            raise CheckpointFormatError(
-                f"{where}: state refers to tensor {key!r}, absent from the image") from None
-
-    return Read(source, image.level, where, image.bytes_read, image.meta, get_tensor)
+def _read(tier: CheckpointTier, step: int, expect: str | None, world_size: int) -> Read:
+    """``step`` opened on ``tier``, verified by the tier against ``expect`` (the digest its
+    row recorded), as a read the pilot applies; a copy on a tier that is not durable saved by
+    a run of another world size is never trusted (a rank-local tier's copy belongs to one
+    rank of one layout of the job)."""
+    opened: OpenedImage = tier.open(step, expect=expect)
+    if not tier.capabilities.durable:
+        saved = opened.meta.get("world_size")
+        if saved != world_size:
+            raise _OtherWorldSize(
+                f"saved by a run of {saved} ranks and this one has {world_size}: rank-local "
+                "tiers are never trusted across a world-size change, the remote tier is read "
+                "instead")
+    return Read(RecoverySource(tier.kind.value), opened.level, opened.source, opened.bytes_read,
+                opened.meta, opened.tensor)

@@ -120,3 +120,70 @@ def test_the_remote_tier_lives_in_one_folder() -> None:
         "ckptpilot.tiers.")}
     assert flat == {"ckptpilot.tiers.base", "ckptpilot.tiers.memory", "ckptpilot.tiers.peer",
                     "ckptpilot.tiers.remote"}, flat
+
+
+CONCRETE_TIERS = ("ckptpilot.tiers.memory", "ckptpilot.tiers.peer", "ckptpilot.tiers.remote")
+"""The concrete tiers: everything in ``tiers/`` but the protocol (``tiers.base``)."""
+
+OPENS_A_CONCRETE_TIER = {
+    "ckptpilot.assembly": "builds the tier objects the writer and the restorer are given",
+    "ckptpilot.cli": "`ckptpilot peer serve` runs the peer daemon (tiers.peer.command)",
+    "ckptpilot.runops": "`ls` / `validate` / `prune` / `recover` work on the remote archives",
+    "ckptpilot.retention.auto": "prunes and budgets the remote store's entries",
+    "ckptpilot.validation.postwrite": "the remote tier's validator: checks a staged archive",
+    "ckptpilot.validation.loadcheck": "the load test reads a staged archive's files",
+    "ckptpilot.dcp": "DCP's storage reader/writer over the remote store (not tier images)",
+    "ckptpilot.sharded.restore": "the sharded (DCP) restore opens the remote store",
+    "ckptpilot.fit": "the fault-injection campaign damages and forges the tiers directly",
+}
+"""The modules above ``tiers/`` that may import a concrete tier, and why: each one operates
+on one tier's own storage, outside the save and restore paths."""
+
+
+def test_no_module_above_the_tiers_imports_a_concrete_tier_but_the_listed_ones() -> None:
+    """The save and restore paths go through ``tiers.base.CheckpointTier`` only: the writer
+    loops over the tiers its plan names, the restorer over its sources; which object is which
+    tier is the assembly's business (issue 25)."""
+    allowed = tuple(OPENS_A_CONCRETE_TIER)
+    for name, deps in GRAPH.items():
+        if name.startswith("ckptpilot.tiers") or name.startswith(allowed):
+            continue
+        concrete = sorted(d for d in deps if d.startswith(CONCRETE_TIERS))
+        assert concrete == [], (f"{name} imports {concrete}: use ckptpilot.tiers.base and "
+                                "let ckptpilot.assembly build the tier")
+    for start in ("ckptpilot.save.writer", "ckptpilot.restorer", "ckptpilot.save.plan",
+                  "ckptpilot.pilot"):
+        concrete = sorted(d for d in GRAPH[start] if d.startswith(CONCRETE_TIERS))
+        assert concrete == [], f"{start} imports {concrete}"
+    for listed in OPENS_A_CONCRETE_TIER:  # the list names modules that exist and need it
+        names = [n for n in GRAPH if n == listed or n.startswith(f"{listed}.")]
+        assert any(d.startswith(CONCRETE_TIERS) for n in names for d in GRAPH[n]), listed
+
+
+def test_the_conformance_suite_builds_its_tiers_as_the_assembly_does() -> None:
+    """The suite certifies the objects training uses: it builds every concrete tier through
+    ``ckptpilot.assembly``'s factories, never with a tier class's own constructor."""
+    classes = {"MemoryTier", "PeerCheckpointTier", "RemoteCheckpointTier"}
+    factories = {"memory_tier", "peer_tier", "remote_tier"}
+    used: set[str] = set()
+    for path in (PACKAGE.parent / "tests" / "tiers").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                callee = node.func.id if isinstance(node.func, ast.Name) else (
+                    node.func.attr if isinstance(node.func, ast.Attribute) else "")
+                assert callee not in classes, (
+                    f"{path.name}:{node.lineno} builds {callee} itself; use "
+                    "ckptpilot.assembly's factory, as the pilot does")
+                used.add(callee)
+            if isinstance(node, ast.ImportFrom) and node.module == "ckptpilot.assembly":
+                used |= {a.name for a in node.names}
+    assert factories <= used, f"the suite does not build {sorted(factories - used)}"
+    assembly = ast.parse((PACKAGE / "assembly.py").read_text())
+    for function in (n for n in assembly.body if isinstance(n, ast.FunctionDef)):
+        calls = {n.func.id for n in ast.walk(function)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        if function.name in factories:
+            assert len(calls & classes) == 1, function.name
+        else:  # the pilot's parts come from the same factories as the suite's tiers
+            assert not calls & classes, f"assembly.{function.name} builds {calls & classes}"

@@ -264,7 +264,7 @@ def test_memory_tier_get_detects_a_changed_held_arena() -> None:
     img = CheckpointImage(7, {"rank": 0, "world_size": 1}, arena,
                           (("model/w", torch.uint8, (256,)),), level=Level.PULSE)
     tier = MemoryTier(1 << 20, HostBufferPool(2))
-    assert tier.hold(img.snapshot(), Level.PULSE.value)
+    assert tier.put(img).kept
     assert torch.equal(tier.get(7).arena, arena)
     held = tier.newest()
     assert held is not None

@@ -324,9 +324,9 @@ def test_peak_host_memory_stays_within_the_in_flight_bound(tmp_path: Path, level
 
 def rot_after_writing(monkeypatch: pytest.MonkeyPatch, *, step: int) -> None:
     """The disk flips a bit of ``step``'s tensors file after the write returned."""
-    import ckptpilot.save.writer as writer_module
+    import ckptpilot.tiers.remote.tier as tier_module
 
-    original = writer_module.stage_organ
+    original = tier_module.stage_organ
 
     def stage_then_rot(tier, snapshot, **kw):  # type: ignore[no-untyped-def]
         staged = original(tier, snapshot, **kw)
@@ -337,7 +337,7 @@ def rot_after_writing(monkeypatch: pytest.MonkeyPatch, *, step: int) -> None:
             path.write_bytes(bytes(data))
         return staged
 
-    monkeypatch.setattr(writer_module, "stage_organ", stage_then_rot)
+    monkeypatch.setattr(tier_module, "stage_organ", stage_then_rot)
 
 
 def test_a_save_failing_validation_is_corrupted_and_never_the_recovery_point(

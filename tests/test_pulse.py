@@ -15,6 +15,7 @@ from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.codecs import read_index
 from ckptpilot.rundir import read_run_id
 from ckptpilot.storage.metadata import MetadataStore
+from ckptpilot.tiers.base import CheckpointImage
 from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.remote import archive
 from ckptpilot.tiers.remote.store import RemoteTier
@@ -189,19 +190,20 @@ def test_memory_tier_pins_the_base_and_drops_a_stale_entry() -> None:
     tier = MemoryTier(1024, pool)
     assert pool.take() is None and pool.take() is None  # two sets may be allocated
     first = snap(1)
-    assert tier.hold(first, "pulse")
+    assert tier.put(CheckpointImage.of(first, level="pulse")).kept
     pool.pin()
     base = tier.base_for(1, first.layout)
-    assert base is first and tier.base_for(2, first.layout) is None
+    assert base is not None and base.snapshot() is first
+    assert tier.base_for(2, first.layout) is None
     assert pool.take() is None, "a pinned base is never handed to a capture"
     pool.unpin()
     assert pool.take() is first  # at max_sets, unpinned: the held set is reused
     assert tier.newest() is None
     second = snap(2)
-    assert tier.hold(second, "pulse")
+    assert tier.put(CheckpointImage.of(second, level="pulse")).kept
     big = Snapshot(step=3, tensors={"model/w": torch.zeros(1024)}, meta={},
                    arena=torch.zeros(4096, dtype=torch.uint8))
-    assert not tier.hold(big, "pulse")  # over max_bytes: not kept...
+    assert not tier.put(CheckpointImage.of(big, level="pulse")).kept  # over max_bytes: not kept...
     assert tier.newest() is None  # ...and the older entry is not the newest any more
     assert pool.take() is second and pool.take() is None  # its buffers went back
     pool.give_back(first)

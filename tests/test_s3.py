@@ -175,8 +175,8 @@ CHILD = textwrap.dedent("""\
     import os, signal, sys
     import torch
     from ckptpilot import CheckpointPilot, load_policy
-    from ckptpilot.save import writer
     from ckptpilot.tiers.remote import archive
+    from ckptpilot.tiers.remote import tier as tier_module
 
     def killed_before_the_manifest(tier, staged):
         if staged.manifest["step"] == int(sys.argv[3]):
@@ -184,7 +184,7 @@ CHILD = textwrap.dedent("""\
         real(tier, staged)
 
     real = archive.publish_organ
-    writer.publish_organ = killed_before_the_manifest
+    tier_module.publish_organ = killed_before_the_manifest
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ckptpilot import CheckpointPilot
+from ckptpilot.assembly import remote_tier
 from ckptpilot.catalog import Catalog
 from ckptpilot.dcp import dcp_name
 from ckptpilot.dcp.storage import read_manifest
@@ -517,8 +518,8 @@ def test_a_memory_copy_of_another_world_size_is_passed_over_for_the_remote_tier(
     pilot.flush()
     assert pilot.memory is not None and pilot.memory.steps() == [1]
     # The same copies, seen by a run of one rank.
-    restorer = Restorer(Catalog(pilot.store, pilot.run_id, 0, tmp_path / "run"), pilot.remote,
-                        None, pilot.memory, None, world_size=1)
+    restorer = Restorer(Catalog(pilot.store, pilot.run_id, 0, tmp_path / "run"),
+                        [remote_tier(pilot.remote, rank=0)], pilot.memory, None, world_size=1)
     reads: list[Read] = []
     restored = restorer.restore(None, reads.append)
     assert restored is not None and restored.step == 1

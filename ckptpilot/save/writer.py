@@ -3,31 +3,36 @@ thread.
 
 This module owns :class:`CheckpointWriter` and :class:`SaveRecord`. One background thread
 waits for a snapshot's device copies (``Snapshot.fence``: nothing reads it before), then
-executes its :class:`~ckptpilot.save.plan.SavePlan` in one straight line per tier: encode →
-record ``pending`` → put → verify → publish and record ``valid`` (or set aside and record
-``corrupted``, with an alert: the previous valid checkpoint stays the recovery point); then
-the snapshot's buffers stay in the memory tier or go back to the pool. Back-pressure: at most
-``async.max_pending`` snapshots exist at once (:meth:`acquire_slot` waits for one).
+executes its :class:`~ckptpilot.save.plan.SavePlan` in one loop over the tiers it names, each
+one a :class:`~ckptpilot.tiers.base.CheckpointTier` the assembly built, through the same
+two phases: stage → record ``pending`` → validate → publish and record ``valid`` (or abort,
+which sets the bytes aside, and record ``corrupted``, with an alert: the previous valid
+checkpoint stays the recovery point). What differs between tiers comes from their
+capabilities, never their names: a durable tier's save first makes room in the disk budget;
+a tier that folds deltas gets the keeper's image of its previous step as the base; a tier
+that keeps no older image supersedes their rows once it commits; a tier that is not durable
+may fail a save, which then goes to the plan's fallback (the durable tier's failure is the
+run's error). A valid save then stays in the keeper (the memory tier, through the same
+protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
+snapshots exist at once (:meth:`acquire_slot` waits for one).
 
 An exception in a job is kept and raised on the training thread by :meth:`raise_errors` as
 ``CheckpointWriteError`` naming the step and the tier it happened in; it is never swallowed.
 Other work that must run after the saves queued before it (a metric on a row, a rollback's
 protection) goes through :meth:`run_after`.
 
-It must not decide what to save or where: the scheduler and the plan did. Threading: the
-training thread calls the public methods; everything else runs on the writer thread.
+It must not decide what to save or where (the scheduler and the plan did), nor name a
+concrete tier (``tests/test_layout.py``). Threading: the training thread calls the public
+methods; everything else runs on the writer thread.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import hashlib
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,24 +43,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from ckptpilot.background import background_pool, lift, settle, urgent
 from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.catalog import Catalog
-from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
-from ckptpilot.format.image import ImageMeta
 from ckptpilot.retention.auto import AutoPruner, DiskBudgetError
 from ckptpilot.save.plan import SavePlan
 from ckptpilot.telemetry import Telemetry
-from ckptpilot.tiers.memory import MemoryTier
-from ckptpilot.tiers.peer import PEER_ERRORS, PeerTier
-from ckptpilot.tiers.peer.client import FULL, stripe_record
-from ckptpilot.tiers.remote.archive import (
-    StagedArchive,
-    checkpoint_name,
-    model_layout,
-    publish_organ,
-    stage_organ,
-)
-from ckptpilot.tiers.remote.store import RemoteTier
-from ckptpilot.validation.postwrite import PostWriteValidator
+from ckptpilot.tiers.base import BaseKeeper, CheckpointImage, CheckpointTier, StageOptions
 from ckptpilot.vocab import Level, RetentionClass, Status, Tier
 
 __all__ = ["CheckpointWriter", "SaveRecord"]
@@ -100,62 +92,26 @@ class _Job:
     queued: float = field(default_factory=time.monotonic)
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def _trim_heap() -> None:
-    """Give the heap that encoding freed back to the system: glibc keeps the freed memory of
-    its worker-thread arenas, so without a trim every pulse leaves the process larger by a
-    good part of the state. Runs on the writer thread, never on the training thread."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _codec_summary(staged: StagedArchive) -> str:
-    """``raw`` for safetensors; else how many tensors each codec took, e.g.
-    ``byteplane:12,raw:30``."""
-    if staged.index is None:
-        return "raw"
-    counts = Counter(entry.codec for entry in staged.index.tensors)
-    return ",".join(f"{codec}:{n}" for codec, n in sorted(counts.items()))
-
-
-def _peer_codec(encodings: tuple[str, ...]) -> str:
-    """The row's codec for a peer put: its shards' delta encodings (``blocks``,
-    ``xor_delta``, joined by ``+``), ``raw`` when every shard travelled whole."""
-    deltas = sorted({e for e in encodings if e != FULL})
-    return "+".join(deltas) if deltas else "raw"
-
-
 class CheckpointWriter:
     """Executes save plans on one background thread; see the module docstring."""
 
-    def __init__(self, *, catalog: Catalog, remote: RemoteTier, peers: PeerTier | None,
-                 memory: MemoryTier | None, pool: HostBufferPool,
-                 validator: PostWriteValidator, pulse_codecs: CodecSelector,
-                 telemetry: Telemetry, max_pending: int,
-                 pruner: AutoPruner | None = None) -> None:
+    def __init__(self, *, catalog: Catalog, tiers: Mapping[Tier, CheckpointTier],
+                 keeper: CheckpointTier | None, pool: HostBufferPool, telemetry: Telemetry,
+                 max_pending: int, pruner: AutoPruner | None = None) -> None:
+        """``tiers``: the tier of each kind a plan may name; ``keeper``: the tier a valid
+        save stays in when its plan says so (the memory tier; None when it is off), which
+        also lends the delta bases."""
         self._catalog = catalog
         self._pruner = pruner
         self._rank = catalog.rank
-        self._remote = remote
-        self._peers = peers
-        self._memory = memory
+        self._tiers = dict(tiers)
+        self._keeper = keeper
         self._pool = pool
-        self._validator = validator
-        self._pulse_codecs = pulse_codecs
         self._telemetry = telemetry
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor = background_pool(1, "ckptpilot-writer")
         self._jobs: deque[_Job] = deque()
-        self._peer_step: int | None = None  # the newest checkpoint the peers took from us
+        self._taken: dict[Tier, int] = {}  # the newest step each tier took from us
         self.saves: list[SaveRecord] = []
         self._lifted: _Job | None = None  # the save lifted off idle priority (see _rescue)
 
@@ -256,12 +212,12 @@ class CheckpointWriter:
             self._lifted = None
             settle()
 
-    def _tier_words(self, tier: Tier | None) -> str:
-        if tier is Tier.REMOTE:
-            return f" to the remote tier {self._remote.url}"
-        if tier is Tier.PEER and self._peers is not None:
-            return f" to the peer tier ({', '.join(self._peers.endpoints)})"
-        return "" if tier is None else f" to the {tier.value} tier"
+    def _tier_words(self, kind: Tier | None) -> str:
+        if kind is None:
+            return ""
+        keeper = self._keeper
+        tier = keeper if keeper is not None and keeper.kind is kind else self._tiers.get(kind)
+        return f" to {tier.where}" if tier is not None else f" to the {kind.value} tier"
 
     # -- writer thread ---------------------------------------------------------------------
 
@@ -275,14 +231,18 @@ class CheckpointWriter:
             if snapshot.fence is not None:
                 snapshot.fence.wait()
                 waited = True
+            intent = plan.intent
+            image = CheckpointImage.of(snapshot, level=intent.level, reason=intent.reason,
+                                       retention_class=intent.retention_class,
+                                       score=intent.score)
             record, refused = None, False
             fallback = [] if plan.fallback is None else [plan.fallback]
-            for i, tier in enumerate([*plan.tiers, *fallback]):
+            for i, kind in enumerate([*plan.tiers, *fallback]):
                 if i == len(plan.tiers) and (record is not None or refused):
                     break  # the fallback is for a plan no tier took
-                job.tier = tier
+                job.tier = kind
                 try:
-                    record = self._write(tier, snapshot, plan, stall) or record
+                    record = self._write(kind, image, plan, stall) or record
                 except DiskBudgetError as e:
                     self.refuse(snapshot.step, snapshot.nbytes, e)
                     refused = True
@@ -298,12 +258,13 @@ class CheckpointWriter:
                 "checkpoint/bytes": float(record.bytes),
                 "checkpoint/ratio": snapshot.nbytes / max(record.bytes, 1),
             })
-            if record.status is Status.VALID and record.tier is Tier.REMOTE:
+            if (record.status is Status.VALID
+                    and self._tiers[record.tier].capabilities.durable):
                 self.retain()
             if (record.status is Status.VALID and plan.keep_in_memory
-                    and self._memory is not None):
-                job.tier = Tier.MEMORY
-                kept = self._memory.hold(snapshot, plan.intent.level)
+                    and self._keeper is not None):
+                job.tier = self._keeper.kind
+                kept = self._keeper.put(image).kept
             return record
         except Exception:
             log.exception("background save of step %d failed", snapshot.step)
@@ -345,143 +306,95 @@ class CheckpointWriter:
         except (OSError, CkptPilotError, SQLAlchemyError) as e:
             log.warning("retention after the save failed (the next save retries): %s", e)
 
-    def _write(self, tier: Tier, snapshot: Snapshot, plan: SavePlan,
+    def _write(self, kind: Tier, image: CheckpointImage, plan: SavePlan,
                stall: float) -> SaveRecord | None:
-        if tier is Tier.PEER:
-            return self._to_peers(snapshot, plan, stall)
-        if tier is Tier.REMOTE:
-            return self._to_remote(snapshot, plan, stall)
-        raise ValueError(f"a save plan cannot write to the {tier.value} tier")
-
-    def _to_peers(self, snapshot: Snapshot, plan: SavePlan, stall: float) -> SaveRecord | None:
-        """Put the snapshot's arena on the peers; a shard travels as a delta against the
-        memory tier's snapshot (when the peers hold that one) where ``tiers.peer.delta``
-        and the sampled estimate say it is faster. Validation is the XXH3-128 stripe
-        (``tiers/peer/digest.py`` says what it guarantees): every shard's digest, computed as
-        it is sent, is checked by its peer on receipt and after each fold, and again by the
-        client on fetch; the row keeps their ``stripe_record`` (``pending`` with the meta's
-        SHA256 alone, the whole record once the put returns), which a restore checks the
-        fetched copy against; the layout comes from the live state itself. Folds run after
-        the put returns, so the row is valid before they finish: a fold that fails makes this
-        checkpoint unfetchable and recovery falls back to the next tier. None when the peers
-        could not take it."""
-        assert self._peers is not None and snapshot.arena is not None
-        intent = plan.intent
+        """One tier's save: stage → record ``pending`` → validate → publish and record
+        ``valid``, or abort and record ``corrupted``. None when a tier that is not durable
+        could not take it (its row ``corrupted``, the plan's fallback next); a durable tier's
+        failure propagates (the run's error)."""
+        tier = self._tiers.get(kind)
+        if tier is None:
+            raise ValueError(f"a save plan cannot write to the {kind.value} tier: this pilot "
+                             f"has {sorted(t.value for t in self._tiers)}")
         t0 = time.perf_counter()
-        meta = ImageMeta(step=snapshot.step, rank=self._rank, level=Level(intent.level),
-                         reason=intent.reason,
-                         retention_class=RetentionClass(intent.retention_class),
-                         score=intent.score, created_unix=time.time(),
-                         layout=tuple(snapshot.layout), state=snapshot.meta).encode()
-        self._pool.pin()  # before looking: no capture may take the base while it is read
-        held = (self._memory.base_for(self._peer_step, snapshot.layout)
-                if self._memory is not None else None)
-        if held is None or held.arena is None:
-            self._pool.unpin()
-            return self._put_to_peers(snapshot, plan, stall, t0, meta, None)
-        try:
-            return self._put_to_peers(snapshot, plan, stall, t0, meta,
-                                      (held.step, held.arena.numpy()))
-        finally:
-            self._pool.unpin()
-
-    def _put_to_peers(self, snapshot: Snapshot, plan: SavePlan, stall: float, t0: float,
-                      meta: bytes, base: tuple[int, Any] | None) -> SaveRecord | None:
-        assert self._peers is not None and snapshot.arena is not None
-        intent, catalog = plan.intent, self._catalog
-        catalog.retire(catalog.key(snapshot.step, Tier.PEER), lambda: None)
-        key = catalog.record_pending(
-            snapshot.step, Tier.PEER, intent, location=f"peer:{self._peers.run_id}/"
-            f"{snapshot.step}", sha256=hashlib.sha256(meta).hexdigest(),
-            bytes_raw=snapshot.nbytes, codec="raw", seconds_snapshot=stall)
-        try:
-            result = self._peers.put(snapshot.step, snapshot.arena.numpy(), meta, base=base)
-        except PEER_ERRORS as e:
-            catalog.moves.condemn(key, f"peer put failed: {e}")
-            log.warning("the peer tier could not take the %s of step %d (%s)%s", intent.level,
-                        snapshot.step, e, "; writing it to the remote tier instead"
-                        if plan.fallback is not None else "")
-            return None
-        self._peer_step = snapshot.step
-        # The peers dropped the older ones on this commit: they keep one state per run.
-        catalog.supersede_older(Tier.PEER, snapshot.step,
-                                f"superseded on the peers by step {snapshot.step}")
-        location = f"peer:{self._peers.run_id}/{snapshot.step}@{','.join(result.endpoints)}"
-        # The row's digest covers the meta and the digests this process computed as it sent:
-        # a restore proves the peers' copy against it, never against what the peers say.
-        catalog.moves.publish(key, location=location,
-                              sha256=stripe_record(meta, result.stripe),
-                              bytes_encoded=result.bytes_sent,
-                              codec=_peer_codec(result.encodings),
-                              seconds_write=result.seconds)
-        seconds = time.perf_counter() - t0
-        log.info("saved %s step %d to %d peers: %.1f MB sent (%d delta, %d full shards) for "
-                 "%.1f MB, stall %.1f ms, %.2f s (%s)", intent.level, snapshot.step,
-                 len(result.endpoints), result.bytes_sent / 1e6, result.delta_shards,
-                 result.full_shards, snapshot.nbytes / 1e6, stall * 1e3, seconds,
-                 intent.reason)
-        return SaveRecord(step=snapshot.step, level=Level(intent.level), reason=intent.reason,
-                          retention_class=RetentionClass(intent.retention_class),
-                          stall_seconds=stall, persist_seconds=seconds, validate_seconds=0.0,
-                          bytes=result.bytes_sent, location=location, status=Status.VALID,
-                          bytes_raw=snapshot.nbytes, write_seconds=result.seconds,
-                          tier=Tier.PEER)
-
-    def _to_remote(self, snapshot: Snapshot, plan: SavePlan, stall: float) -> SaveRecord:
-        """Stage → record ``pending`` → validate → publish and mark ``valid`` (or set aside
-        and mark ``corrupted``).
-
-        An organ is written as safetensors; a pulse through the codecs (``codecs`` policy),
-        self-contained (see ``tiers.remote.archive``) — or as safetensors too when the codecs would
-        save less transfer time at this tier's bandwidth than the container's extra hash pass
-        costs."""
-        intent, catalog, remote = plan.intent, self._catalog, self._remote
-        t0 = time.perf_counter()
-        refusal = self.make_room(snapshot.step, snapshot.nbytes)
-        if refusal is not None:
-            raise refusal
-        name = checkpoint_name(snapshot.step, self._rank)
+        if tier.capabilities.durable:
+            refusal = self.make_room(image.step, image.nbytes)
+            if refusal is not None:
+                raise refusal
+        catalog = self._catalog
         # Before staging: on an object store the staging is the checkpoint's own name.
-        catalog.retire(catalog.key(snapshot.step, Tier.REMOTE), lambda: (
-            remote.path(remote.set_aside(name, "superseded")) if remote.exists(name) else None))
-        codec_for = None
-        if plan.codecs:
-            self._pulse_codecs.new_save()
-            if not self._pulse_codecs.plain_pays(snapshot.tensors):
-                codec_for = self._pulse_codecs.codec_for
-        staged = stage_organ(remote, snapshot, level=intent.level, reason=intent.reason,
-                             retention_class=intent.retention_class, score=intent.score,
-                             codec_for=codec_for, fsync=plan.fsync)
-        write_seconds = time.perf_counter() - t0
-        if codec_for is not None:
-            _trim_heap()
+        catalog.retire(catalog.key(image.step, kind),
+                       lambda: tier.set_aside(image.step, "superseded"))
+        keeper = self._keeper
+        base = None
+        if tier.capabilities.folds_deltas and isinstance(keeper, BaseKeeper):
+            self._pool.pin()  # before looking: no capture may take the base while it is read
+            base = keeper.base_for(self._taken.get(kind), image.layout)
+            if base is None:
+                self._pool.unpin()
+        try:
+            return self._two_phases(tier, image, base, plan, stall, t0)
+        finally:
+            if base is not None:
+                self._pool.unpin()
+
+    def _two_phases(self, tier: CheckpointTier, image: CheckpointImage,
+                    base: CheckpointImage | None, plan: SavePlan, stall: float,
+                    t0: float) -> SaveRecord | None:
+        intent, catalog, step, kind = plan.intent, self._catalog, image.step, tier.kind
+        staged = tier.stage(image, base, options=StageOptions(codecs=plan.codecs,
+                                                              fsync=plan.fsync))
         key = catalog.record_pending(
-            snapshot.step, Tier.REMOTE, intent, location=remote.path(staged.staging),
-            sha256=staged.manifest["self_sha256"], bytes_raw=snapshot.nbytes,
-            bytes_encoded=staged.bytes, codec=_codec_summary(staged), seconds_snapshot=stall,
-            seconds_write=write_seconds)
-        check = self._validator.validate(remote, staged.staging, staged.manifest,
-                                         model_layout(snapshot))
-        if check.ok:
-            publish_organ(remote, staged)
-            location, status = remote.path(name), Status.VALID
-            catalog.moves.publish(key, location=location, seconds_validate=check.seconds)
-        else:
-            location = remote.path(remote.set_aside(staged.staging, "corrupted", label=name))
-            status = Status.CORRUPTED
+            step, kind, intent, location=staged.location, sha256=staged.digest,
+            bytes_raw=staged.bytes_raw, bytes_encoded=staged.bytes_stored, codec=staged.codec,
+            seconds_snapshot=stall, seconds_write=staged.write_seconds)
+        check = tier.validate(staged)
+        if not check.ok:
+            location = tier.abort(staged, check.reason) or staged.location
             catalog.moves.condemn(key, check.reason, location=location,
                                   seconds_validate=check.seconds)
             log.error("ALERT: the checkpoint of step %d failed validation and is kept as "
                       "%s: %s. The previous valid checkpoint stays the recovery point.",
-                      snapshot.step, location, check.reason)
+                      step, location, check.reason)
+            return self._record(image, plan, stall, t0, Status.CORRUPTED, kind, location,
+                                staged.bytes_stored or 0, staged.write_seconds or 0.0,
+                                check.seconds or 0.0)
+        # The durable tier is the last resort: its failure is the run's error, not a fallback.
+        survivable = () if tier.capabilities.durable else tier.failures
+        try:
+            receipt = tier.publish(staged)
+        except survivable as e:
+            catalog.moves.condemn(key, f"{kind.value} put failed: {e}")
+            log.warning("%s could not take the %s of step %d (%s)%s", tier.where, intent.level,
+                        step, e, f"; writing it to the {plan.fallback.value} tier instead"
+                        if plan.fallback is not None else "")
+            return None
+        self._taken[kind] = step
+        if not tier.capabilities.keeps_older:  # the tier dropped the older ones on this commit
+            catalog.supersede_older(kind, step, f"superseded on {tier.where} by step {step}")
+        # The row's digest is the receipt's: a restore proves the stored copy against it,
+        # never against what the tier says (the peers: the digests this process sent).
+        catalog.moves.publish(key, location=receipt.location, sha256=receipt.digest,
+                              bytes_encoded=receipt.bytes_stored, codec=receipt.codec,
+                              seconds_write=receipt.write_seconds,
+                              seconds_validate=check.seconds)
+        return self._record(image, plan, stall, t0, Status.VALID, kind, receipt.location,
+                            receipt.bytes_stored, receipt.write_seconds, check.seconds or 0.0,
+                            delta=receipt.delta, where=tier.where)
+
+    def _record(self, image: CheckpointImage, plan: SavePlan, stall: float, t0: float,
+                status: Status, kind: Tier, location: str, nbytes: int, write_seconds: float,
+                validate_seconds: float, *, delta: bool = False, where: str = "") -> SaveRecord:
+        intent = plan.intent
         seconds = time.perf_counter() - t0
-        log.info("saved %s step %d: %.1f MB (%.1f MB raw), stall %.1f ms, persisted in "
+        log.info("saved %s step %d%s: %.1f MB%s (%.1f MB raw), stall %.1f ms, persisted in "
                  "%.2f s (write %.2f s, validation %.2f s), %s (%s)", intent.level,
-                 snapshot.step, staged.bytes / 1e6, snapshot.nbytes / 1e6, stall * 1e3,
-                 seconds, write_seconds, check.seconds, status.value, intent.reason)
-        return SaveRecord(step=snapshot.step, level=Level(intent.level), reason=intent.reason,
+                 image.step, f" to {where}" if where else "", nbytes / 1e6,
+                 " with deltas" if delta else "", image.nbytes / 1e6, stall * 1e3, seconds,
+                 write_seconds, validate_seconds, status.value, intent.reason)
+        return SaveRecord(step=image.step, level=Level(intent.level), reason=intent.reason,
                           retention_class=RetentionClass(intent.retention_class),
                           stall_seconds=stall, persist_seconds=seconds,
-                          validate_seconds=check.seconds, bytes=staged.bytes,
-                          location=location, status=status, bytes_raw=snapshot.nbytes,
-                          write_seconds=write_seconds, tier=Tier.REMOTE)
+                          validate_seconds=validate_seconds, bytes=nbytes, location=location,
+                          status=status, bytes_raw=image.nbytes, write_seconds=write_seconds,
+                          tier=kind)

@@ -10,14 +10,15 @@ beyond the ``async.max_pending`` snapshot sets. ``max_bytes`` bounds what it kee
 
 Lost with the process (and the node); SIGKILL-safe recovery needs the peer or remote tier.
 
-It implements :class:`~ckptpilot.tiers.base.CheckpointTier` (``put``/``get``/``steps``/
-``discard``/``close``): ``hold`` and ``put`` keep the arena itself with its XXH3-128 digest
-(taken on the writer thread, which holds it; the training thread's stall is the capture
-alone), so a ``get`` detects a held buffer that was written to after it was kept (a pool bug
-reusing it, a stray write). XXH3, not SHA256: the bytes never leave this process, so the
-digest guards against accidents, not forgers, and it costs a fraction of a SHA256 pass.
+It implements :class:`~ckptpilot.tiers.base.CheckpointTier`: ``stage`` takes the arena's
+XXH3-128 digest (on the writer thread, which holds it; the training thread's stall is the
+capture alone) and ``publish`` keeps the arena itself, the one path the pilot and the
+conformance suite take, so an ``open`` detects a held buffer that was written to after it
+was kept (a pool bug reusing it, a stray write). XXH3, not SHA256: the bytes never leave
+this process, so the digest guards against accidents, not forgers, and it costs a fraction
+of a SHA256 pass.
 
-Threading: the writer thread calls ``hold`` / ``put``; the training thread ``newest`` and,
+Threading: the writer thread calls ``stage`` / ``publish``; the training thread ``newest`` and,
 through the pool, ``reclaim``; a lock guards the entry and is never held while calling the
 pool.
 """
@@ -29,7 +30,18 @@ from dataclasses import dataclass, replace
 
 from ckptpilot.capture.state import HostBufferPool, Snapshot
 from ckptpilot.errors import IntegrityError, NoCheckpointError
-from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.tiers.base import (
+    PLAIN,
+    Check,
+    CheckpointImage,
+    Layout,
+    OpenedImage,
+    PutReceipt,
+    Staged,
+    StageOptions,
+    TierCapabilities,
+    put_in_two_phases,
+)
 from ckptpilot.tiers.peer.digest import digest_of
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
@@ -53,6 +65,8 @@ class MemoryEntry:
 
 class MemoryTier:
     name = "memory"
+    where = "the memory tier"
+    failures: tuple[type[BaseException], ...] = (IntegrityError, NoCheckpointError)
     kind = Tier.MEMORY
     capabilities = TierCapabilities(durable=False, survives_node_loss=False,
                                     folds_deltas=False, speed=Tier.MEMORY.speed,
@@ -64,15 +78,6 @@ class MemoryTier:
         self._entry: MemoryEntry | None = None
         self._lock = threading.Lock()
         pool.lend(self.reclaim)
-
-    def hold(self, snapshot: Snapshot, level: str) -> bool:
-        """Keep ``snapshot`` as the newest; the snapshot it replaces goes back to the pool.
-        False when it is not kept — then the caller still owns its buffers. A snapshot over
-        ``max_bytes`` is not kept, and the older one held is dropped too: the tier must never
-        offer a checkpoint older than the newest saved one as the newest. Digests the arena
-        (on the caller's thread: the writer's)."""
-        digest = None if snapshot.arena is None else digest_of(snapshot.arena.numpy())
-        return self._keep(MemoryEntry(snapshot, level, digest=digest))
 
     def _keep(self, entry: MemoryEntry) -> bool:
         with self._lock:
@@ -87,16 +92,54 @@ class MemoryTier:
             self._pool.give_back(held.snapshot)
         return kept
 
-    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
-        """Hold ``image``'s arena itself (no copy; ``base`` is ignored). Not kept
-        (``kept=False``) when it is over ``max_bytes`` — the older image is dropped then — or
-        older than the one held."""
-        snapshot = image.snapshot()
+    def stage(self, image: CheckpointImage, base: CheckpointImage | None = None, *,
+              options: StageOptions = PLAIN) -> Staged:
+        """Digest the arena (``base`` and ``options`` do not apply: nothing is encoded or
+        written); nothing is held until :meth:`publish`."""
+        image.tensors()  # an arena that disagrees with its layout is refused here
         digest = digest_of(image.arena.numpy())
-        kept = self._keep(MemoryEntry(snapshot, image.level.value, image.reason,
-                                      image.retention_class.value, image.score, digest))
-        return PutReceipt(image.step, f"memory:step {image.step}",
-                          image.nbytes if kept else 0, kept=kept)
+        return Staged(image.step, self.kind, f"memory:step {image.step}", digest, image.nbytes,
+                      image.nbytes, "raw", 0.0, image)
+
+    def validate(self, staged: Staged) -> Check:
+        """Nothing left the process: the digest taken at stage is checked on every open."""
+        return Check(True, "held in process")
+
+    def publish(self, staged: Staged) -> PutReceipt:
+        """Hold the image's arena itself (no copy), as the newest; the snapshot it replaces
+        goes back to the pool. Not kept (``kept=False``, and the caller still owns the
+        buffers) when it is over ``max_bytes`` — the older image is dropped then: the tier
+        must never offer a checkpoint older than the newest saved one as the newest — or
+        older than the one held."""
+        image = staged.image
+        kept = self._keep(MemoryEntry(image.snapshot(), image.level.value, image.reason,
+                                      image.retention_class.value, image.score, staged.digest))
+        return PutReceipt(image.step, staged.location, image.nbytes if kept else 0, kept=kept,
+                          digest=staged.digest)
+
+    def abort(self, staged: Staged, why: str) -> str | None:
+        """Nothing was held: nothing to set aside."""
+        return None
+
+    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
+        return put_in_two_phases(self, image, base)
+
+    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
+        """:meth:`get`, checked against ``expect`` too when given (the digest of the put)."""
+        image = self.get(step)
+        if expect is not None:
+            actual = digest_of(image.arena.numpy())
+            if actual != expect:
+                raise IntegrityError(f"memory:step {step} (not the image the caller put)",
+                                     expect, actual)
+        return OpenedImage.of(image)
+
+    def locate(self, step: int) -> str:
+        return f"memory:step {step}"
+
+    def set_aside(self, step: int, why: str) -> str | None:
+        """Nothing to keep for inspection in memory: the next put replaces the held step."""
+        return None
 
     def get(self, step: int) -> CheckpointImage:
         """A copy of the held image (its buffers go back to the snapshot pool later), checked
@@ -139,14 +182,15 @@ class MemoryTier:
         if held is not None:
             self._pool.give_back(held.snapshot)
 
-    def base_for(self, step: int | None, layout: object) -> Snapshot | None:
-        """The held snapshot if it is of ``step`` with ``layout`` (a delta base); the caller
-        pins it in the pool first, so that no capture takes it while it is read."""
+    def base_for(self, step: int | None, layout: Layout) -> CheckpointImage | None:
+        """The held image, no copy, if it is of ``step`` with ``layout`` (a delta base); the
+        caller pins it in the pool first, so that no capture takes it while it is read."""
         with self._lock:
             held = self._entry
-            if held is None or held.step != step or held.snapshot.layout != layout:
+            if (held is None or held.step != step or held.snapshot.layout != layout
+                    or held.snapshot.arena is None):
                 return None
-            return held.snapshot
+            return CheckpointImage.of(held.snapshot, level=held.level)
 
     def reclaim(self) -> Snapshot | None:
         """Give the held snapshot's buffers up for a capture (the pool calls this when it

@@ -1,6 +1,11 @@
 """Backends of the tier conformance suite: how to open a fresh tier of each kind, where that
 tier keeps its bytes (to corrupt them) and how to make a put of it fail half-way.
 
+Every tier is built by the functions the pilot's assembly builds its own with
+(``ckptpilot.assembly.memory_tier`` / ``peer_tier`` / ``remote_tier``, the remote one with
+the default policy's post-write validator and codecs): the suite certifies the objects
+training uses (``tests/test_layout.py`` checks that it does).
+
 A test module adds tiers of its own by listing their classes in ``EXTRA_TIERS``: such a class
 is built with no arguments and corrupts its own bytes with ``corrupt(step)``.
 """
@@ -21,14 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: peerdaem
 
 from peerdaemons import KEY, Daemon, call, revive, start, stop_all
 
+from ckptpilot.assembly import codec_selector, memory_tier, peer_tier, remote_tier
 from ckptpilot.capture.state import HostBufferPool
+from ckptpilot.policy import Policy
 from ckptpilot.tiers.base import CheckpointTier, TierCapabilities
-from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable
-from ckptpilot.tiers.peer.client import PeerCheckpointTier
 from ckptpilot.tiers.peer.protocol import Op
 from ckptpilot.tiers.remote.store import RemoteTier
-from ckptpilot.tiers.remote.tier import RemoteCheckpointTier
+from ckptpilot.validation.postwrite import PostWriteValidator
 
 PEERS = 3
 
@@ -67,7 +72,7 @@ def memory_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         assert held is not None and held.step == step
         held.snapshot.arena[held.snapshot.nbytes // 2] ^= 0xFF
 
-    return Backend(lambda: MemoryTier(1 << 30, HostBufferPool(2)), corrupt,
+    return Backend(lambda: memory_tier(1 << 30, HostBufferPool(2)), corrupt,
                    TierCapabilities(
                        durable=False, survives_node_loss=False, folds_deltas=False, speed=0,
                        keeps_older=False))
@@ -82,27 +87,44 @@ class _FullDisk(RemoteTier):
         return super().write_file(relpath, chunks)
 
 
-def _remote_backend(url: str) -> Backend:
+@pytest.fixture(scope="session")
+def validator() -> Iterator[PostWriteValidator]:
+    """The default policy's post-write validator (a load test in another process), shared
+    by every remote tier of the session: one worker process, not one per test."""
+    checker = PostWriteValidator(Policy().validation)
+    try:
+        yield checker
+    finally:
+        checker.close()
+
+
+def _remote_backend(request: pytest.FixtureRequest, url: str) -> Backend:
+    checker = request.getfixturevalue("validator")
+    codecs = codec_selector(Policy())
+
+    def build(remote: RemoteTier) -> CheckpointTier:
+        return remote_tier(remote, rank=0, validator=checker, codecs=codecs)
+
     def corrupt(t: Any, step: int) -> None:
         path = t.remote.path(f"step_{step:08d}_rank_00000", "tensors.safetensors")
         data = t.remote.fs.cat_file(path)
         t.remote.fs.pipe_file(path, _flip(data, len(data) - 1))  # the last tensor byte
 
-    return Backend(lambda: RemoteCheckpointTier(RemoteTier(url), rank=0), corrupt,
+    return Backend(lambda: build(RemoteTier(url)), corrupt,
                    TierCapabilities(durable=True, survives_node_loss=True, folds_deltas=False,
                                     speed=2, keeps_older=True),
-                   broken=lambda: RemoteCheckpointTier(_FullDisk(url), rank=0))
+                   broken=lambda: build(_FullDisk(url)))
 
 
 def remote_file_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
-    return _remote_backend(f"file://{tmp_path}/remote")
+    return _remote_backend(request, f"file://{tmp_path}/remote")
 
 
 def remote_memory_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     root = f"/conformance-{uuid.uuid4().hex}"
     request.addfinalizer(lambda: fsspec.filesystem("memory").rm(root, recursive=True)
                          if fsspec.filesystem("memory").exists(root) else None)
-    return _remote_backend(f"memory://{root}")
+    return _remote_backend(request, f"memory://{root}")
 
 
 @pytest.fixture(scope="session")
@@ -141,10 +163,10 @@ def peer_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
                                                 "shard_index": shard["shard_index"]},
                          timeout_seconds=5)
 
-    return Backend(lambda: PeerCheckpointTier(PeerTier(endpoints, **options), rank=0), corrupt,
+    return Backend(lambda: peer_tier(PeerTier(endpoints, **options), rank=0), corrupt,
                    TierCapabilities(durable=False, survives_node_loss=True, folds_deltas=True,
                                     speed=1, keeps_older=False),
-                   broken=lambda: PeerCheckpointTier(_LostCommit(endpoints, **options), rank=0))
+                   broken=lambda: peer_tier(_LostCommit(endpoints, **options), rank=0))
 
 
 def _self_backend(cls: type) -> Callable[[pytest.FixtureRequest, Path], Backend]:

@@ -1,6 +1,8 @@
 """One suite every tier passes (``ckptpilot.tiers.base.CheckpointTier``): memory, peer (real
-daemons), remote on ``file://`` and ``memory://``, and ``DictTier`` below, a tier that
-subscribes by being listed in ``EXTRA_TIERS``."""
+daemons), remote on ``file://`` and ``memory://`` — each built as the pilot's assembly builds
+it — and ``DictTier`` below, a tier that subscribes by being listed in ``EXTRA_TIERS``. The
+two-phase put (stage → validate → publish | abort) and the verified ``open`` are the paths the
+pilot's writer and restorer take; ``put``/``get`` are their conveniences."""
 
 from __future__ import annotations
 
@@ -14,17 +16,22 @@ import torch
 from conftest import Backend
 from peerdaemons import KEY, Daemon, revive
 
+from ckptpilot.assembly import memory_tier, peer_tier
 from ckptpilot.capture.state import HostBufferPool
 from ckptpilot.errors import IntegrityError, NoCheckpointError, StateError
 from ckptpilot.tiers.base import (
+    PLAIN,
+    Check,
     CheckpointImage,
     CheckpointTier,
+    OpenedImage,
     PutReceipt,
+    Staged,
+    StageOptions,
     TierCapabilities,
+    put_in_two_phases,
 )
-from ckptpilot.tiers.memory import MemoryTier
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable
-from ckptpilot.tiers.peer.client import PeerCheckpointTier
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
 
@@ -34,30 +41,63 @@ class DictTier:
     kind = Tier.MEMORY
     capabilities = TierCapabilities(durable=False, survives_node_loss=False,
                                     folds_deltas=False, speed=0, keeps_older=True)
+    where = "a dict"
+    failures: tuple[type[BaseException], ...] = (IntegrityError, NoCheckpointError)
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[CheckpointImage, str]] = {}
 
-    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
+    def stage(self, image: CheckpointImage, base: CheckpointImage | None = None, *,
+              options: StageOptions = PLAIN) -> Staged:
         image.tensors()
         copy = CheckpointImage(image.step, json.loads(json.dumps(image.meta)),
                                image.arena.clone(), image.layout, image.level, image.reason,
                                image.retention_class, image.score)
-        self._held[image.step] = (copy, hashlib.sha256(copy.arena.numpy()).hexdigest())
-        return PutReceipt(image.step, f"dict:{image.step}", image.nbytes)
+        digest = hashlib.sha256(copy.arena.numpy()).hexdigest()
+        return Staged(image.step, self.kind, f"dict:{image.step}", digest, image.nbytes,
+                      image.nbytes, "raw", 0.0, copy)
 
-    def get(self, step: int) -> CheckpointImage:
+    def validate(self, staged: Staged) -> Check:
+        return Check(True)
+
+    def publish(self, staged: Staged) -> PutReceipt:
+        self._held[staged.step] = (staged.image, staged.digest)
+        return PutReceipt(staged.step, staged.location, staged.bytes_raw, digest=staged.digest)
+
+    def abort(self, staged: Staged, why: str) -> str | None:
+        return None
+
+    def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
+        return put_in_two_phases(self, image, base)
+
+    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
         if step not in self._held:
             raise NoCheckpointError(f"dict: step {step} not held")
         image, digest = self._held[step]
         actual = hashlib.sha256(image.arena.numpy()).hexdigest()
-        if actual != digest:
-            raise IntegrityError(f"dict: step {step}", digest, actual)
-        return CheckpointImage(step, image.meta, image.arena.clone(), image.layout,
-                               image.level, image.reason, image.retention_class, image.score)
+        if actual != digest or (expect is not None and actual != expect):
+            raise IntegrityError(f"dict: step {step}", expect or digest, actual)
+        return OpenedImage.of(CheckpointImage(
+            step, image.meta, image.arena.clone(), image.layout, image.level, image.reason,
+            image.retention_class, image.score, source=f"dict:{step}",
+            bytes_read=image.nbytes))
+
+    def get(self, step: int) -> CheckpointImage:
+        opened = self.open(step)
+        image = self._held[step][0]
+        return CheckpointImage.copied(step, opened.meta,
+                                      {k: opened.tensor(k) for k, _, _ in image.layout},
+                                      level=image.level, reason=image.reason,
+                                      retention_class=image.retention_class, score=image.score)
 
     def steps(self) -> list[int]:
         return sorted(self._held)
+
+    def locate(self, step: int) -> str:
+        return f"dict:{step}"
+
+    def set_aside(self, step: int, why: str) -> str | None:
+        return None
 
     def discard(self, step: int) -> None:
         self._held.pop(step, None)
@@ -77,7 +117,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 def image(step: int, seed: int | None = None, **labels: Any) -> CheckpointImage:
     """A state of every stored dtype (NaN and an empty tensor included), laid out as
-    ``state.capture`` lays an arena: widest element first."""
+    ``state.capture`` lays an arena (widest element first), with the meta it writes."""
     g = torch.Generator().manual_seed(step if seed is None else seed)
     tensors = {}
     for i, dtype in enumerate(_DTYPES):
@@ -92,7 +132,8 @@ def image(step: int, seed: int | None = None, **labels: Any) -> CheckpointImage:
     layout = tuple((k, t.dtype, tuple(t.shape)) for k, t in ordered)
     meta = {"format_version": 1, "step": step, "rank": 0, "world_size": 1, "epoch": 2,
             "extras": {"lr": 0.001, "tag": "é", "nested": [1, None, {"a": True}]},
-            "model_keys": [k for k in tensors if k.startswith("model/")]}
+            "model_keys": [k.removeprefix("model/") for k in tensors if k.startswith("model/")],
+            "rng": {}}  # what the remote tier's load test requires of a captured state
     return CheckpointImage(step, meta, arena, layout, **labels)
 
 
@@ -213,6 +254,69 @@ def test_a_put_that_fails_half_way_publishes_nothing(backend: Backend) -> None:
     assert_bit_exact(tier.get(1), want, 1)
 
 
+def assert_opened_bit_exact(got: OpenedImage, want: dict[str, Any], step: int) -> None:
+    assert got.step == step
+    assert dict(got.meta) == want["meta"]
+    assert got.level == want["level"]
+    assert got.source and got.bytes_read > 0
+    for key, t in want["tensors"].items():
+        read = got.tensor(key)
+        assert read.dtype == t.dtype and read.shape == t.shape, key
+        assert torch.equal(read.reshape(-1).view(torch.uint8),
+                           t.reshape(-1).view(torch.uint8)), key
+
+
+def test_a_two_phase_put_is_visible_only_once_published_and_opens_against_its_digest(
+        backend: Backend) -> None:
+    tier = backend.tier()
+    tier.put(image(1))
+    img = image(2, level=Level.PULSE, reason="interval")
+    want = expected(img)
+    staged = tier.stage(img, options=StageOptions(codecs=True, fsync=False))
+    assert (staged.step, staged.kind, staged.bytes_raw) == (2, tier.kind, img.nbytes)
+    assert staged.location and staged.digest
+    assert 2 not in tier.steps(), "a staged image is not a checkpoint yet"
+    check = tier.validate(staged)
+    assert check.ok, check.reason
+    receipt = tier.publish(staged)
+    assert receipt.step == 2 and receipt.kept and receipt.digest
+    assert 2 in tier.steps()
+    assert tier.locate(2)
+    assert_opened_bit_exact(tier.open(2, expect=receipt.digest), want, 2)
+    assert_bit_exact(tier.get(2), want, 2)
+
+
+def test_an_aborted_stage_leaves_the_previous_image_alone(backend: Backend) -> None:
+    tier = backend.tier()
+    first = image(1)
+    want = expected(first)
+    receipt = tier.put(first)
+    staged = tier.stage(image(2, seed=9))
+    tier.abort(staged, "failed validation (test)")
+    assert tier.steps() == [1]
+    with pytest.raises(NoCheckpointError, match=r"step 2\b"):
+        tier.open(2)
+    assert_opened_bit_exact(tier.open(1, expect=receipt.digest), want, 1)
+
+
+def test_open_refuses_a_copy_that_is_not_the_one_the_caller_recorded(backend: Backend) -> None:
+    tier = backend.tier()
+    receipt = tier.put(image(3))
+    tier.put(image(3, seed=30))  # another image in its place
+    with pytest.raises(IntegrityError):
+        tier.open(3, expect=receipt.digest)
+
+
+def test_open_of_a_step_never_put_or_flipped_names_the_step(backend: Backend) -> None:
+    tier = backend.tier()
+    tier.put(image(6))
+    with pytest.raises(NoCheckpointError, match=r"step 9\b"):
+        tier.open(9)
+    backend.corrupt(tier, 6)
+    with pytest.raises(IntegrityError, match=r"step 6\b|step_00000006"):
+        tier.open(6).tensor("model/t0")
+
+
 def test_capabilities_are_declared(backend: Backend) -> None:
     tier = backend.tier()
     assert isinstance(tier, CheckpointTier)
@@ -228,7 +332,7 @@ def test_close_is_idempotent(backend: Backend) -> None:
 
 
 def test_the_memory_tier_declines_an_image_over_budget_or_older_than_its_newest() -> None:
-    tier = MemoryTier(image(1).nbytes, HostBufferPool(2))
+    tier = memory_tier(image(1).nbytes, HostBufferPool(2))
     assert tier.put(image(5)).kept
     older = tier.put(image(4))
     assert (older.kept, older.bytes_stored, tier.steps()) == (False, 0, [5])
@@ -244,7 +348,7 @@ def test_the_peers_discard_a_step_only_with_no_newer_one_held(
     endpoints = [d.endpoint for d in revive(peer_daemons)]
     peers = PeerTier(endpoints, run_id="discard-order", secret=KEY, data_shards=2,
                      probe_interval=0.2, timeout_seconds=5.0, lease_seconds=60.0)
-    with contextlib.closing(PeerCheckpointTier(peers, rank=0)) as tier:
+    with contextlib.closing(peer_tier(peers, rank=0)) as tier:
         tier.put(image(2))
         tier.put(image(1))  # out of order: the peers now hold both
         assert tier.steps() == [1, 2]

@@ -37,6 +37,7 @@ Every request, probes included, goes over the tier's persistent connections
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -48,10 +49,25 @@ import torch
 
 from ckptpilot.errors import CkptPilotError, IntegrityError, NoCheckpointError
 from ckptpilot.format.image import ImageMeta
-from ckptpilot.tiers.base import CheckpointImage, PutReceipt, TierCapabilities
+from ckptpilot.tiers.base import (
+    PLAIN,
+    Check,
+    CheckpointImage,
+    OpenedImage,
+    PutReceipt,
+    Staged,
+    StageOptions,
+    TierCapabilities,
+    put_in_two_phases,
+)
 from ckptpilot.tiers.peer.auth import load_secret
 from ckptpilot.tiers.peer.calls import Connections, ReplyInto
-from ckptpilot.tiers.peer.errors import PeerRequestError, PeerUnavailable, ProtocolError
+from ckptpilot.tiers.peer.errors import (
+    PEER_ERRORS,
+    PeerRequestError,
+    PeerUnavailable,
+    ProtocolError,
+)
 from ckptpilot.tiers.peer.fetching import Fetching
 from ckptpilot.tiers.peer.placement import PeerStatus, Placement, describe_failure
 from ckptpilot.tiers.peer.protocol import Buffer, Frame, Op, parse_endpoint
@@ -317,18 +333,57 @@ class PeerCheckpointTier:
     capabilities = TierCapabilities(durable=False, survives_node_loss=True, folds_deltas=True,
                                     speed=Tier.PEER.speed, keeps_older=False)
 
+    failures: tuple[type[BaseException], ...] = (*PEER_ERRORS, RuntimeError)
+
     def __init__(self, peers: PeerTier, *, rank: int) -> None:
         self.peers = peers
         self.rank = rank
+        self.where = f"the peer tier ({', '.join(peers.endpoints)})"
 
     def _where(self, step: int) -> str:
         return f"peer:{self.peers.run_id}/{step}"
 
+    def stage(self, image: CheckpointImage, base: CheckpointImage | None = None, *,
+              options: StageOptions = PLAIN) -> Staged:
+        """Encode the image's meta; the shards travel at :meth:`publish`, which sends and
+        commits them in one step (a peer stores nothing visible before its COMMIT). The
+        pending row records the meta's SHA256 (``options`` do not apply: the shards go
+        raw or as deltas, never through the codecs)."""
+        meta = self._meta(image)
+        return Staged(image.step, self.kind, self._where(image.step),
+                      hashlib.sha256(meta).hexdigest(), image.nbytes, None, "raw", None, image,
+                      base, handle=meta)
+
+    def validate(self, staged: Staged) -> Check:
+        """Nothing is staged on the peers to look at: every shard is checked against the
+        digest computed as it is sent, by its peer on receipt and after each fold, and the
+        publication fails unless all of them pass."""
+        return Check(True, "shard digests checked by the peers on receipt")
+
+    def publish(self, staged: Staged) -> PutReceipt:
+        """Stripe the arena over the peers, as XOR deltas against the base where they still
+        hold it, and commit it once every shard is stored (a failed put leaves the previous
+        image the one ``open`` returns). The receipt's ``digest`` is the
+        :func:`stripe_record` of what this process sent: give it to :meth:`open` as
+        ``expect``."""
+        image, base, meta = staged.image, staged.base, staged.handle
+        result = self.peers.put(image.step, image.arena.numpy(), meta,
+                                base=None if base is None else (base.step, base.arena.numpy()))
+        deltas = sorted({e for e in result.encodings if e != FULL})
+        return PutReceipt(image.step, f"{self._where(image.step)}@"
+                          f"{','.join(result.endpoints)}", result.bytes_sent,
+                          delta=result.delta_shards > 0,
+                          digest=stripe_record(meta, result.stripe),
+                          codec="+".join(deltas) if deltas else "raw",
+                          write_seconds=result.seconds)
+
+    def abort(self, staged: Staged, why: str) -> str | None:
+        """Nothing is committed before :meth:`publish`: nothing to set aside."""
+        return None
+
     def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
-        """Stripe the arena over the peers, as XOR deltas against ``base`` where they still
-        hold it; committed only once every shard is stored, so a failed put leaves the
-        previous image the one ``get`` returns."""
-        return self.put_stripe(image, base)[0]
+        """:meth:`stage` → :meth:`validate` → :meth:`publish`."""
+        return put_in_two_phases(self, image, base)
 
     def _meta(self, image: CheckpointImage) -> bytes:
         image.tensors()  # an arena that disagrees with its layout is refused before sending
@@ -337,16 +392,16 @@ class PeerCheckpointTier:
                          score=image.score, created_unix=time.time(), layout=image.layout,
                          state=dict(image.meta)).encode()
 
-    def put_stripe(self, image: CheckpointImage, base: CheckpointImage | None = None
-                   ) -> tuple[PutReceipt, str]:
-        """:meth:`put`, and the :func:`stripe_record` to give :meth:`get` as ``expect``."""
-        meta = self._meta(image)
-        result = self.peers.put(image.step, image.arena.numpy(), meta,
-                                base=None if base is None else (base.step, base.arena.numpy()))
-        receipt = PutReceipt(image.step, f"{self._where(image.step)}@"
-                             f"{','.join(result.endpoints)}", result.bytes_sent,
-                             delta=result.delta_shards > 0)
-        return receipt, stripe_record(meta, result.stripe)
+    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
+        """:meth:`get`: the peers' image is fetched whole (every shard in parallel)."""
+        return OpenedImage.of(self.get(step, expect=expect))
+
+    def locate(self, step: int) -> str:
+        return self._where(step)
+
+    def set_aside(self, step: int, why: str) -> str | None:
+        """Nothing to keep: the peers hold one state per run and the next put replaces it."""
+        return None
 
     def get(self, step: int, *, expect: str | None = None) -> CheckpointImage:
         """The image, every shard checked against its digest (one lost or corrupt shard is
