@@ -251,28 +251,28 @@ class Restorer:
         options: dict[int, list[_Option]] = {}
         below = math.inf if before is None else before
         newest_durable = plan.attempts[0].step if plan.attempts else -1
-        targets: list[tuple[CheckpointTier, int, str | None]] = []
+        targets: list[tuple[CheckpointTier, int, str | None, str | None]] = []
         unproven: list[tuple[int, SkippedCheckpoint]] = []
         keeper = self._keeper
         if keeper is not None and not forced:
-            targets += [(keeper, t, None) for t in keeper.steps()
+            targets += [(keeper, t, None, None) for t in keeper.steps()
                         if step is None or t == step]
         for tier in self._tiers:
             if tier is self._durable_tier or forced:
                 continue
             recorded, left = self._recorded_targets(tier, step, newest_durable)
-            targets += [(tier, t, digest) for t, digest in recorded.items()]
+            targets += [(tier, t, digest, at) for t, (digest, at) in recorded.items()]
             unproven += left
         for cand in plan.attempts:
             tier = self._by_kind[cand.tier]
             targets.append((tier, cand.step, digests.get(cand.step)
-                            if cand.status is not None else None))
+                            if cand.status is not None else None, None))
         targets.sort(key=lambda target: target[0].capabilities.speed)
-        for tier, target, expect in targets:
+        for tier, target, expect, at in targets:
             if target < below:
                 options.setdefault(target, []).append(_Option(
                     tier.locate(target),
-                    partial(_read, tier, target, expect, self._world_size),
+                    partial(_read, tier, target, expect, at, self._world_size),
                     tier.failures, partial(self._condemn, tier, target)))
         return options, [s for t, s in unproven if t < below]
 
@@ -306,10 +306,12 @@ class Restorer:
                 raise _Abandoned(why)
 
     def _recorded_targets(self, tier: CheckpointTier, step: int | None, newest_durable: int
-                          ) -> tuple[dict[int, str], list[tuple[int, SkippedCheckpoint]]]:
+                          ) -> tuple[dict[int, tuple[str, str]],
+                                     list[tuple[int, SkippedCheckpoint]]]:
         """The steps of a tier that is not durable to try, newest first, each with the
-        digest its row recorded (the peers: ``stripe_record``): ``step`` if it is a valid
-        row, else the valid rows at least as new as the newest durable candidate. The peers
+        digest and the location its row recorded (the peers: ``stripe_record``, and the
+        daemons the shards went to): ``step`` if it is a valid row, else the valid rows at
+        least as new as the newest durable candidate. The peers
         keep one state per run, so this is normally one checkpoint.
 
         With no rows of the tier (the metadata lost or rebuilt), nothing recorded what this
@@ -328,7 +330,7 @@ class Restorer:
                 f"{self._durable.url} is read instead"))
                 for s in sorted(held, reverse=True)
                 if (s == step if step is not None else s >= newest_durable)]
-        recorded = {r.step: r.sha256 for r in rows if r.status is Status.VALID}
+        recorded = {r.step: (r.sha256, r.location) for r in rows if r.status is Status.VALID}
         if step is not None:
             return ({step: recorded[step]} if step in recorded else {}), []
         newer = sorted((s for s in recorded if s >= newest_durable), reverse=True)
@@ -407,12 +409,14 @@ class Restorer:
         return candidates, missing, {step: row.sha256 for step, row in rows.items()}
 
 
-def _read(tier: CheckpointTier, step: int, expect: str | None, world_size: int) -> Read:
-    """``step`` opened on ``tier``, verified by the tier against ``expect`` (the digest its
-    row recorded), as a read the pilot applies; a copy on a tier that is not durable saved by
+def _read(tier: CheckpointTier, step: int, expect: str | None, at: str | None,
+          world_size: int) -> Read:
+    """``step`` opened on ``tier`` (looking ``at`` the location its row recorded first),
+    verified by the tier against ``expect`` (the digest its row recorded), as a read the
+    pilot applies; a copy on a tier that is not durable saved by
     a run of another world size is never trusted (a rank-local tier's copy belongs to one
     rank of one layout of the job)."""
-    opened: OpenedImage = tier.open(step, expect=expect)
+    opened: OpenedImage = tier.open(step, expect=expect, at=at)
     if not tier.capabilities.durable:
         saved = opened.meta.get("world_size")
         if saved != world_size:

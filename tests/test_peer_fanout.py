@@ -10,12 +10,16 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
-from peerdaemons import KEY, Daemon, call, start, stop_all
+import torch
+from peerdaemons import KEY, SECRET_FILE, Daemon, call, start, stop_all
 
+from ckptpilot import CheckpointPilot, load_policy
 from ckptpilot.tiers.peer import PeerTier
+from ckptpilot.tiers.peer.client import recorded_holders
 from ckptpilot.tiers.peer.protocol import Op
 
 PEERS = 10
@@ -134,3 +138,36 @@ def test_recorded_holders_that_lost_it_make_the_fetch_ask_every_peer(
     with tier(cluster, run) as second:
         assert bytes(second.fetch(1, holders=wrong).image) == image(1)
     assert saw(cluster, run, "LIST") == set(others)
+
+
+def test_a_restore_in_a_fresh_process_asks_the_daemons_its_row_names(
+        cluster: list[Daemon], tmp_path: Path) -> None:
+    """End to end: a pilot saves to the peers; a new pilot (a restarted process) restores
+    from them through the location its metadata row recorded, listing no other daemon."""
+    endpoints = [d.endpoint for d in cluster]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "tiers: {memory: {enabled: false}, peer: {enabled: true, endpoints: ["
+        + ", ".join(f'"{e}"' for e in endpoints) + "], data_shards: 2, parity: true, "
+        f'timeout_seconds: 30, secret_file: "{SECRET_FILE}"}}}}\n')
+    run_dir = tmp_path / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    with CheckpointPilot(load_policy(policy, run_dir=run_dir), model=model,
+                         run_dir=run_dir) as pilot:
+        pilot.observe()
+        pilot.save(level="pulse", reason="test")
+        pilot.flush()
+        saved = pilot.saves[-1]
+    assert saved.tier.value == "peer"
+    holders = set(recorded_holders(saved.location))
+    assert len(holders) == 3
+    restored = torch.nn.Linear(64, 64)
+    with CheckpointPilot(load_policy(policy, run_dir=run_dir), model=restored,
+                         run_dir=run_dir) as pilot:
+        assert pilot.restore() == saved.step
+        assert pilot.last_recovery is not None
+        assert pilot.last_recovery.source.value == "peer"
+    assert torch.equal(restored.weight.view(torch.int32), model.weight.view(torch.int32))
+    peer_run = saved.location.removeprefix("peer:").split("/", 1)[0]
+    assert saw(cluster, peer_run, "LIST") == holders

@@ -245,9 +245,12 @@ class CheckpointTier(Protocol):
          where its bytes were set aside for inspection (None: nothing was kept).
 
        ``put(image, base=None)`` is the three in a row (abort when the validation fails).
-    3. ``open(step, *, expect=None) -> OpenedImage``: the image, verified against the digests
-       recorded at put and, with ``expect``, against the ``PutReceipt.digest`` the caller kept
-       (the row's); read lazily where the tier can. Raises ``NoCheckpointError`` naming the
+    3. ``open(step, *, expect=None, at=None) -> OpenedImage``: the image, verified against
+       the digests recorded at put and, with ``expect``, against the ``PutReceipt.digest`` the
+       caller kept (the row's); read lazily where the tier can. ``at`` is the
+       ``PutReceipt.location`` the caller kept: a tier may look there first (the peers: the
+       daemons the shards went to, rather than asking every daemon); the digest, never the
+       location, is what proves the copy. Raises ``NoCheckpointError`` naming the
        step when the tier does not hold it, ``IntegrityError`` naming the step when its bytes
        are not the ones put; other failures (a dead link, a full disk) propagate as the
        tier's own errors, all of them in ``failures``. ``get(step)`` is ``open`` read whole
@@ -282,7 +285,8 @@ class CheckpointTier(Protocol):
     def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
         ...
 
-    def open(self, step: int, *, expect: str | None = None) -> OpenedImage: ...
+    def open(self, step: int, *, expect: str | None = None,
+             at: str | None = None) -> OpenedImage: ...
 
     def get(self, step: int) -> CheckpointImage: ...
 

@@ -124,7 +124,8 @@ class MemoryTier:
     def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
         return put_in_two_phases(self, image, base)
 
-    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
+    def open(self, step: int, *, expect: str | None = None,
+             at: str | None = None) -> OpenedImage:
         """:meth:`get`, checked against ``expect`` too when given (the digest of the put)."""
         image = self.get(step)
         if expect is not None:

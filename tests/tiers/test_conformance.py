@@ -70,7 +70,8 @@ class DictTier:
     def put(self, image: CheckpointImage, base: CheckpointImage | None = None) -> PutReceipt:
         return put_in_two_phases(self, image, base)
 
-    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
+    def open(self, step: int, *, expect: str | None = None,
+             at: str | None = None) -> OpenedImage:
         if step not in self._held:
             raise NoCheckpointError(f"dict: step {step} not held")
         image, digest = self._held[step]

@@ -392,9 +392,11 @@ class PeerCheckpointTier:
                          score=image.score, created_unix=time.time(), layout=image.layout,
                          state=dict(image.meta)).encode()
 
-    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
-        """:meth:`get`: the peers' image is fetched whole (every shard in parallel)."""
-        return OpenedImage.of(self.get(step, expect=expect))
+    def open(self, step: int, *, expect: str | None = None,
+             at: str | None = None) -> OpenedImage:
+        """:meth:`get`: the peers' image is fetched whole (every shard in parallel), from the
+        daemons ``at`` (a receipt's location) names first."""
+        return OpenedImage.of(self.get(step, expect=expect, holders=recorded_holders(at)))
 
     def locate(self, step: int) -> str:
         return self._where(step)
@@ -403,7 +405,8 @@ class PeerCheckpointTier:
         """Nothing to keep: the peers hold one state per run and the next put replaces it."""
         return None
 
-    def get(self, step: int, *, expect: str | None = None) -> CheckpointImage:
+    def get(self, step: int, *, expect: str | None = None,
+            holders: Sequence[str] = ()) -> CheckpointImage:
         """The image, every shard checked against its digest (one lost or corrupt shard is
         rebuilt from parity). A step the peers hold but never committed (a failed put) is not
         returned. Peers that cannot be reached raise :class:`PeerUnavailable`, or
@@ -413,10 +416,11 @@ class PeerCheckpointTier:
         ``expect`` is the :func:`stripe_record` of the put, kept by the caller: then the meta
         and every shard fetched (or rebuilt) must be the ones that put sent, whatever digests
         the peers list, or this raises :class:`IntegrityError`. Without it, the peers' own
-        digests are all that is checked (they catch damage, not a peer that forges)."""
+        digests are all that is checked (they catch damage, not a peer that forges).
+        ``holders``: the daemons to ask first (``PeerTier.fetch``)."""
         where = self._where(step)
         try:
-            fetched = self.peers.fetch(step)
+            fetched = self.peers.fetch(step, holders=holders)
         except PeerUnavailable as e:
             if e.failures == {-1: NOT_HELD}:
                 raise NoCheckpointError(f"{where}: step {step}: {e}; restore it from the "
@@ -450,6 +454,14 @@ class PeerCheckpointTier:
 
     def close(self) -> None:
         self.peers.close()
+
+
+def recorded_holders(location: str | None) -> tuple[str, ...]:
+    """The daemons a :class:`PeerCheckpointTier` receipt's location names
+    (``peer:RUN/STEP@ENDPOINT,ENDPOINT,...``, in shard order); none for anything else."""
+    if not location or not location.startswith("peer:") or "@" not in location:
+        return ()
+    return tuple(e for e in location.rsplit("@", 1)[1].split(",") if e)
 
 
 def _either(

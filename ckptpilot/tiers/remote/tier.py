@@ -166,7 +166,8 @@ class RemoteCheckpointTier:
         """:meth:`stage` → :meth:`validate` → :meth:`publish` (or :meth:`abort` and raise)."""
         return put_in_two_phases(self, image, base)
 
-    def open(self, step: int, *, expect: str | None = None) -> OpenedImage:
+    def open(self, step: int, *, expect: str | None = None,
+             at: str | None = None) -> OpenedImage:
         """The archive, every file checked against its manifest as it is read (a container:
         as it is decoded), and the manifest against ``expect``, the ``self_sha256`` its row
         recorded: another archive in its place (an older copy, another run's) is refused."""
