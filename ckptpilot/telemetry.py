@@ -8,8 +8,10 @@ priority (``ckptpilot.background``), so they take no time slice from training ei
 
 Every decision goes to ``decisions_rank_{rank:05d}.jsonl``. TensorBoard gets
 ``checkpoint/score``, ``checkpoint/interval``, ``checkpoint/level`` (0 heartbeat only, 1 pulse,
-2 organ) and the three signals (``checkpoint/signal_loss`` …) whenever one of them changes or
-a save happens — a flat curve costs nothing — and ``checkpoint/save_seconds``,
+2 organ) and the three signals (``checkpoint/signal_loss`` …) at every save and rollback and,
+between them, for the newest decision of each batch the thread takes (about two a second),
+when one of them changed — a flat curve costs nothing, and a fast loop does not pay a protobuf
+per step on a thread that shares the interpreter with training — and ``checkpoint/save_seconds``,
 ``checkpoint/stall_seconds``, ``checkpoint/bytes`` for every completed save, and
 ``checkpoint/rollback_to`` (the step returned to) at the step of each instability rollback.
 """
@@ -88,19 +90,30 @@ class Telemetry:
             self._writer.close()
 
     def _drain(self) -> None:
+        quiet: CheckpointDecision | None = None  # the newest one not plotted: no save, no rollback
         while self._queue:
             kind, item = self._queue.popleft()
             if kind == "decision":
                 self._write_decision(item)
+                if not self._tensorboard:
+                    continue
+                if item.save or item.rollback_to is not None:
+                    if quiet is not None:  # steps reach TensorBoard in order
+                        self._plot(quiet)
+                        quiet = None
+                    self._plot(item)
+                else:
+                    quiet = item
             else:
                 step, values = item
                 for tag, value in values.items():
                     self._tb().add_scalar(tag, value, global_step=step)
+        if quiet is not None:
+            self._plot(quiet)
         if self._log_file is not None:
             self._log_file.flush()
 
     def _write_decision(self, d: CheckpointDecision) -> None:
-        level = d.level.rank if d.save and d.level is not None else 0
         if self._decision_log:
             if self._log_file is None:
                 self._log_file = open(self._log_path, "a")  # noqa: SIM115 - owned by the thread
@@ -111,8 +124,9 @@ class Telemetry:
                 **({"spike_onset": d.spike_onset} if d.spike_onset is not None else {}),
                 **({"rollback_to": d.rollback_to} if d.rollback_to is not None else {}),
             }) + "\n")
-        if not self._tensorboard:
-            return
+
+    def _plot(self, d: CheckpointDecision) -> None:
+        level = d.level.rank if d.save and d.level is not None else 0
         if d.rollback_to is not None:
             self._tb().add_scalar("checkpoint/rollback_to", d.rollback_to, global_step=d.step)
         sig = d.signals

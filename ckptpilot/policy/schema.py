@@ -260,7 +260,8 @@ class RetentionPolicy(Section):
 
 
 class ObservabilityPolicy(Section):
-    """Decision log (JSON lines) and TensorBoard scalars."""
+    """Decision log (JSON lines, every decision) and TensorBoard scalars (every save and
+    rollback, the scheduler's curves about twice a second between them: ``telemetry.py``)."""
 
     tensorboard: bool = True
     decision_log: bool = True
