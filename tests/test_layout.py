@@ -68,8 +68,7 @@ def test_the_save_and_restore_paths_never_climb_back_to_the_pilot() -> None:
 def test_only_the_entry_points_import_the_pilot() -> None:
     importers = {name for name, deps in GRAPH.items() if "ckptpilot.pilot" in deps
                  and not name.startswith("ckptpilot.integrations.")}  # the frameworks' entry
-    assert importers <= {"ckptpilot", "ckptpilot.cli", "ckptpilot.demo",
-                         "ckptpilot.fit.job"}, importers
+    assert importers <= {"ckptpilot", "ckptpilot.cli.demo", "ckptpilot.fit.job"}, importers
 
 
 def test_the_ground_floor_modules_import_nothing_above_them() -> None:
@@ -127,8 +126,8 @@ CONCRETE_TIERS = ("ckptpilot.tiers.memory", "ckptpilot.tiers.peer", "ckptpilot.t
 
 OPENS_A_CONCRETE_TIER = {
     "ckptpilot.assembly": "builds the tier objects the writer and the restorer are given",
-    "ckptpilot.cli": "`ckptpilot peer serve` runs the peer daemon (tiers.peer.command)",
-    "ckptpilot.runops": "`ls` / `validate` / `prune` / `recover` work on the remote archives",
+    "ckptpilot.cli.command": "`ckptpilot peer serve` runs the peer daemon (tiers.peer.command)",
+    "ckptpilot.cli.ops": "`ls` / `validate` / `prune` / `recover` work on the remote archives",
     "ckptpilot.retention.auto": "prunes and budgets the remote store's entries",
     "ckptpilot.validation.postwrite": "the remote tier's validator: checks a staged archive",
     "ckptpilot.validation.loadcheck": "the load test reads a staged archive's files",
