@@ -1,4 +1,5 @@
-"""The ``ckptpilot`` command, on top of everything else.
+"""The ``ckptpilot`` command, on top of everything else: nothing below imports it
+(``tests/test_layout.py`` lists the one module that still does, and why).
 
 ``command.py`` owns the parser and the dispatch (:func:`main`, the console script and
 ``python -m ckptpilot``); the subcommands it runs from here: ``ops.py`` (``ls``, ``recover``,
