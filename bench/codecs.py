@@ -1,7 +1,7 @@
 """Compression ratio and per-core throughput of the ckptpilot codecs on real training states.
 
 Issue 5, item 9. Each regime is a real short training run of the demo's byte-level
-``CharTransformer`` on the standard library's source text (``ckptpilot.demo.stdlib_text``):
+``CharTransformer`` on the standard library's source text (``ckptpilot.cli.demo.stdlib_text``):
 
 (a) ``adamw``: AdamW (lr 3e-3, weight decay 0.01, one-cycle schedule) from scratch;
 (b) ``frozen``: fine-tuning the model trained in (a) with the first ~90 % of its parameters
@@ -97,6 +97,7 @@ except ImportError:
     from backports import zstd as stdzstd
 
 from ckptpilot.capture.state import Snapshot
+from ckptpilot.cli.demo import CONTEXT, CharTransformer, DemoJob, stdlib_text
 from ckptpilot.codecs import (
     Codec,
     blob_info,
@@ -110,7 +111,6 @@ from ckptpilot.codecs import (
 from ckptpilot.codecs.byteplane import paying_plane_ratio
 from ckptpilot.codecs.entropy import compressor, decompress_into, literal_compressor
 from ckptpilot.codecs.selector import CodecSelector
-from ckptpilot.demo import CONTEXT, CharTransformer, DemoJob, stdlib_text
 from ckptpilot.sampler import ResumableSampler
 from ckptpilot.tiers.remote.archive import StagedArchive, stage_organ
 from ckptpilot.tiers.remote.store import HashingWriter, RemoteTier

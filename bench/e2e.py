@@ -45,7 +45,7 @@ the output prints). Sections:
    batches with a checkpoint every ``--every`` steps by: nothing, the pilot (``base_interval``
    ``--every``, every save an organ), ``torch.save`` + fsync, DCP ``async_save`` (the next one
    first waits for the previous, as DCP's documentation asks); then the demo's model
-   (``ckptpilot.demo.build_demo_job``) without and with a pilot on the default policy. Wall
+   (``ckptpilot.cli.demo.build_demo_job``) without and with a pilot on the default policy. Wall
    time from the first step until the last save is durable (the pilot's construction is not
    in it; the start of the load-test worker it spawns overlaps the first steps), the median
    step, the saves made, the CPU seconds of the run. The final loss of
@@ -106,7 +106,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptpilot import CheckpointPilot, RecoverySource, SaveRecord, load_policy
-from ckptpilot.demo import build_demo_job
+from ckptpilot.cli.demo import build_demo_job
 from ckptpilot.tiers.peer.protocol import Op
 
 PEERS = 3

@@ -48,7 +48,7 @@ from pathlib import Path
 import psutil
 
 from ckptpilot import load_policy
-from ckptpilot.report import build_report, read_records
+from ckptpilot.cli.report import build_report, read_records
 from ckptpilot.simulate.command import read_trace
 from ckptpilot.simulate.costs import ClusterSpec, load_profile, tier_costs
 from ckptpilot.simulate.failures import (

@@ -7,7 +7,7 @@ is what the optimizer did.
 
 Traces:
 
-* ``demo``: ``ckptpilot.demo``'s character transformer on the standard library's source, the
+* ``demo``: ``ckptpilot.cli.demo``'s character transformer on the standard library's source, the
   demo's own optimizer and one-cycle schedule;
 * ``cnn``: a small CNN classifying generated images (oriented stripes of random phase, in
   noise), AdamW;
@@ -46,7 +46,7 @@ def _grad_norm(model: nn.Module) -> float:
 
 
 def demo_trace(steps: int) -> TraceStep:
-    from ckptpilot.demo import BATCH, build_demo_job
+    from ckptpilot.cli.demo import BATCH, build_demo_job
 
     job = build_demo_job(steps)
 
@@ -141,7 +141,7 @@ def finetune_trace(steps: int, *, pretrain_steps: int = 200) -> TraceStep:
 
 
 TRACES: dict[str, tuple[str, Callable[[int], TraceStep]]] = {
-    "demo": ("ckptpilot.demo CharTransformer, AdamW lr 3e-3 one-cycle, clip 1.0 (norm "
+    "demo": ("ckptpilot.cli.demo CharTransformer, AdamW lr 3e-3 one-cycle, clip 1.0 (norm "
              "recorded before clipping)", demo_trace),
     "cnn": ("2-conv CNN on generated 16x16 stripe images, 8 classes, AdamW lr 2e-3",
             cnn_trace),

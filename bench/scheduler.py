@@ -5,7 +5,7 @@ is that it stays out of the way: the issue's goal is under 1 % of one step of th
 and under 50 µs absolute. This script measures, in one process and one run:
 
 1. baseline: the wall time of one full training step without a pilot, exactly as
-   ``ckptpilot.demo.train_child`` runs it (batch 32 x context 64 drawn through a
+   ``ckptpilot.cli.demo.train_child`` runs it (batch 32 x context 64 drawn through a
    ``ResumableSampler``, forward, cross-entropy, ``zero_grad``, backward,
    ``clip_grad_norm_``, AdamW ``step``, OneCycleLR ``step``), minus its TensorBoard and
    stdout reporting;
@@ -66,7 +66,7 @@ from scratch import DEFAULT_DIR, scratch_dir
 from torch import nn
 
 from ckptpilot import CheckpointPilot, ResumableSampler, load_policy
-from ckptpilot.demo import BATCH, CONTEXT, build_demo_job
+from ckptpilot.cli.demo import BATCH, CONTEXT, build_demo_job
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 
 POLICY_YAML = """\

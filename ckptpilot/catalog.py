@@ -17,7 +17,7 @@ one (run, rank): a save recorded ``pending``, then published ``valid`` or refuse
 continuation after a restored step abandoned; the saves before a loss spike protected from
 pruning; a metric attached; a copy that failed on restore condemned. It also
 owns the recover pin (``ckptpilot recover --step N`` writes it, the next ``restore`` consumes
-it), shared with :mod:`ckptpilot.runops`, and the rank's current continuation: abandoning
+it), shared with :mod:`ckptpilot.cli.ops`, and the rank's current continuation: abandoning
 the saves after a restored step first records a fork in the rank's lineage file
 (``storage.lineage``), so that the files, not only these rows, say what was abandoned.
 

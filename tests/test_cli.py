@@ -169,7 +169,7 @@ def test_the_demo_is_never_silent_for_long(monkeypatch: pytest.MonkeyPatch,
     it is on."""
     import time
 
-    from ckptpilot import demo
+    from ckptpilot.cli import demo
 
     monkeypatch.setattr(demo, "PROGRESS_SECONDS", 0.2)
     run = demo._Run(last_step=7)

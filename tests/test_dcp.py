@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ckptpilot import runops
+from ckptpilot.cli import ops
 from ckptpilot.dcp import Reader, Writer, dcp_name
 from ckptpilot.dcp.format import (
     Encoding,
@@ -200,15 +200,15 @@ def test_two_ranks_save_dtensors_and_load_them_bit_exact_resharded_stock_and_asy
 
     policy = _keep_one(load_policy(None, run_dir=run_dir))
     out = io.StringIO()
-    assert runops.ls(policy, out) == 0
+    assert ops.ls(policy, out) == 0
     listed = [line.split() for line in out.getvalue().splitlines()[1:]]
     assert sorted((int(c[0]), int(c[1]), c[4]) for c in listed) == [
         (step, rank, "valid") for step in (10, 20) for rank in range(WORLD)]
-    assert runops.validate(policy, rebuild=False, out=out) == 0
+    assert ops.validate(policy, rebuild=False, out=out) == 0
     assert "4 ok, 0 corrupted" in out.getvalue()
 
     # Both ranks' rows of step 10 point at one directory: it goes with them.
-    assert runops.prune(policy, dry_run=False, out=out) == 0
+    assert ops.prune(policy, dry_run=False, out=out) == 0
     assert remote.list() == [dcp_name(20)]
     with MetadataStore(run_dir / "metadata.sqlite", read_only=True) as store:
         old = [r for r in store.rows(read_run_id(run_dir)) if r.step == 10]
@@ -249,7 +249,7 @@ def test_a_corrupted_chunk_is_refused_on_read_naming_file_and_item_and_validate_
 
     out = io.StringIO()
     policy = load_policy(None, run_dir=run_dir)
-    assert runops.validate(policy, rebuild=False, out=out) == 1
+    assert ops.validate(policy, rebuild=False, out=out) == 1
     assert "__1_0.distcp: item 'model.w' chunk at [4, 0]" in out.getvalue()
     with MetadataStore(run_dir / "metadata.sqlite", read_only=True) as store:
         statuses = {r.rank: r.status for r in store.rows(read_run_id(run_dir))}
@@ -288,7 +288,7 @@ def test_a_save_killed_before_its_metadata_leaves_no_valid_checkpoint(tmp_path: 
         (10, 0, Status.VALID), (10, 1, Status.VALID),
         (20, 0, Status.PENDING), (20, 1, Status.PENDING)]
     out = io.StringIO()
-    runops.ls(load_policy(None, run_dir=run_dir), out)
+    ops.ls(load_policy(None, run_dir=run_dir), out)
     listed = [line.split() for line in out.getvalue().splitlines()[1:]]
     assert {c[4] for c in listed if c[0] == "20"} == {"pending"}
 
@@ -359,11 +359,11 @@ def test_prune_removes_old_dcp_checkpoints_and_recover_sets_later_ones_aside(
     policy = _keep_one(load_policy(None, run_dir=tmp_path))
     checkpoints = tmp_path / "checkpoints"
     out = io.StringIO()
-    assert runops.prune(policy, dry_run=False, out=out) == 0
+    assert ops.prune(policy, dry_run=False, out=out) == 0
     assert sorted(os.listdir(checkpoints)) == [dcp_name(4)], out.getvalue()
 
     _save_steps(tmp_path, [5, 6])
-    assert runops.recover(policy, step=4, dry_run=False, force=False, out=out) == 0
+    assert ops.recover(policy, step=4, dry_run=False, force=False, out=out) == 0
     left = sorted(os.listdir(checkpoints))
     assert left[0] == dcp_name(4) and len(left) == 3
     assert all(".abandoned-by-recover-4-" in name for name in left[1:])
@@ -372,8 +372,8 @@ def test_prune_removes_old_dcp_checkpoints_and_recover_sets_later_ones_aside(
         statuses = {r.step: r.status for r in store.rows(read_run_id(tmp_path))}
     assert statuses == {1: Status.EXPIRED, 2: Status.EXPIRED, 3: Status.EXPIRED,
                         4: Status.VALID, 5: Status.EXPIRED, 6: Status.EXPIRED}
-    with pytest.raises(runops.OpError, match="DCP checkpoint"):
-        runops.recover(policy, step=4, dry_run=False, force=True, out=out)
+    with pytest.raises(ops.OpError, match="DCP checkpoint"):
+        ops.recover(policy, step=4, dry_run=False, force=True, out=out)
 
 
 def test_validate_rebuild_records_dcp_checkpoints_again(tmp_path: Path) -> None:
@@ -382,7 +382,7 @@ def test_validate_rebuild_records_dcp_checkpoints_again(tmp_path: Path) -> None:
     for suffix in ("-wal", "-shm"):
         (tmp_path / f"metadata.sqlite{suffix}").unlink(missing_ok=True)
     out = io.StringIO()
-    assert runops.validate(load_policy(None, run_dir=tmp_path), rebuild=True, out=out) == 0
+    assert ops.validate(load_policy(None, run_dir=tmp_path), rebuild=True, out=out) == 0
     assert "2 ok, 0 corrupted" in out.getvalue()
     assert _step_loaded(tmp_path) == (2, 2.0)
 
@@ -665,7 +665,7 @@ def test_crafted_sharded_checkpoint_cannot_run_code(tmp_path: Path) -> None:
     # validate --rebuild records it again (its hashes all match) without unpickling; the
     # newest valid step then refuses the item on load, as above.
     out = io.StringIO()
-    assert runops.validate(load_policy(None, run_dir=run_dir), rebuild=True, out=out) == 0
+    assert ops.validate(load_policy(None, run_dir=run_dir), rebuild=True, out=out) == 0
     assert "its non-tensor item(s) 'epoch' are pickles (DCP format version 1)" in out.getvalue()
     with pytest.raises(CheckpointException, match="stored only as a pickle") as caught:
         _load_whole(run_dir, None)

@@ -1,6 +1,7 @@
 """The package's shape (issues 12 and 25): the pilot is a small facade on top, the save and
 restore paths run one way down through the modules, never back up to the pilot; storage sits
-below the tiers, the remote tier is one folder, and no module is over 600 lines.
+below the tiers, the remote tier is one folder, the command (``cli/``) sits above everything,
+and no module is over 600 lines.
 
 Read from the source with ``ast`` (imports inside functions count too), so a lazy import
 cannot hide a climb back up.
@@ -68,8 +69,7 @@ def test_the_save_and_restore_paths_never_climb_back_to_the_pilot() -> None:
 def test_only_the_entry_points_import_the_pilot() -> None:
     importers = {name for name, deps in GRAPH.items() if "ckptpilot.pilot" in deps
                  and not name.startswith("ckptpilot.integrations.")}  # the frameworks' entry
-    assert importers <= {"ckptpilot", "ckptpilot.cli", "ckptpilot.demo",
-                         "ckptpilot.fit.job"}, importers
+    assert importers <= {"ckptpilot", "ckptpilot.cli.demo", "ckptpilot.fit.job"}, importers
 
 
 def test_the_ground_floor_modules_import_nothing_above_them() -> None:
@@ -102,6 +102,34 @@ def test_no_module_explains_its_length_instead_of_being_split() -> None:
         assert "Long because" not in docstring, f"{name}: split it instead"
 
 
+def _is_cli(name: str) -> bool:
+    return name == "ckptpilot.cli" or name.startswith("ckptpilot.cli.")
+
+
+IMPORTS_THE_CLI = {
+    "ckptpilot.simulate.validate": "`report --predict` feeds the measured GoodputReport "
+                                   "(cli/report.py) to the simulator",
+}
+"""The modules outside ``cli/`` that still import from it, and why: each one is a back-arrow
+to take out, not a place for a new one."""
+
+
+def test_nothing_below_the_command_imports_it() -> None:
+    """``cli/`` is the top: the command imports the library, never the other way round, so a
+    job, an integration or a daemon never loads the command's parser or operations. Only
+    ``python -m ckptpilot`` (``__main__``) enters it from outside."""
+    for name, deps in GRAPH.items():
+        if _is_cli(name) or name == "ckptpilot.__main__" or name in IMPORTS_THE_CLI:
+            continue
+        climbs = sorted(d for d in deps if _is_cli(d))
+        assert climbs == [], f"{name} imports {climbs}: nothing outside ckptpilot/cli/ may"
+    for listed in IMPORTS_THE_CLI:  # the list names modules that exist and still need it
+        assert any(_is_cli(d) for d in GRAPH[listed]), listed
+    assert {"ckptpilot.cli.command", "ckptpilot.cli.ops", "ckptpilot.cli.report",
+            "ckptpilot.cli.demo"} <= set(MODULES)
+    assert not {"ckptpilot.runops", "ckptpilot.report", "ckptpilot.demo"} & set(MODULES)
+
+
 def test_storage_is_below_the_tiers() -> None:
     """``storage/`` holds the run's own records (metadata, heartbeat, ledger, lineage); the
     tiers and their formats sit above it, so nothing in it reaches up into ``tiers/``."""
@@ -127,8 +155,8 @@ CONCRETE_TIERS = ("ckptpilot.tiers.memory", "ckptpilot.tiers.peer", "ckptpilot.t
 
 OPENS_A_CONCRETE_TIER = {
     "ckptpilot.assembly": "builds the tier objects the writer and the restorer are given",
-    "ckptpilot.cli": "`ckptpilot peer serve` runs the peer daemon (tiers.peer.command)",
-    "ckptpilot.runops": "`ls` / `validate` / `prune` / `recover` work on the remote archives",
+    "ckptpilot.cli.command": "`ckptpilot peer serve` runs the peer daemon (tiers.peer.command)",
+    "ckptpilot.cli.ops": "`ls` / `validate` / `prune` / `recover` work on the remote archives",
     "ckptpilot.retention.auto": "prunes and budgets the remote store's entries",
     "ckptpilot.validation.postwrite": "the remote tier's validator: checks a staged archive",
     "ckptpilot.validation.loadcheck": "the load test reads a staged archive's files",

@@ -17,8 +17,8 @@ import torch
 from helpers import assert_states_bit_equal, start_ddp_ranks
 
 from ckptpilot import CheckpointPilot
+from ckptpilot.cli.report import build_report, read_records
 from ckptpilot.policy import Policy, PreemptionPolicy
-from ckptpilot.report import build_report, read_records
 from ckptpilot.storage.ledger import FailureLedger
 from ckptpilot.tiers.remote import archive
 from ckptpilot.tiers.remote.store import RemoteTier

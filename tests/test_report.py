@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ckptpilot.cli import main
-from ckptpilot.report import RunRecords, build_report, format_table
+from ckptpilot.cli.report import RunRecords, build_report, format_table
 from ckptpilot.rundir import read_run_id
 from ckptpilot.scheduler.interval import daly_interval
 from ckptpilot.storage.heartbeat import HeartbeatRecord, read_all

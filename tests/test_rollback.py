@@ -20,7 +20,8 @@ import safetensors.torch
 import torch
 from helpers import assert_states_bit_equal
 
-from ckptpilot import CheckpointPilot, PolicyError, ResumableSampler, RollbackLimitError, runops
+from ckptpilot import CheckpointPilot, PolicyError, ResumableSampler, RollbackLimitError
+from ckptpilot.cli import ops
 from ckptpilot.policy import load_policy
 from ckptpilot.storage.metadata import MetadataStore
 
@@ -168,7 +169,7 @@ def test_without_rollback_the_save_before_a_spike_is_kept_for_good_and_survives_
         25: "important", 30: "important", 35: "important", 40: "critical"}
     assert classes[45] == classes[20] == "routine"
     policy = load_policy(cfg, run_dir=tmp_path / "run")
-    assert runops.prune(policy, dry_run=False, out=io.StringIO()) == 0
+    assert ops.prune(policy, dry_run=False, out=io.StringIO()) == 0
     with MetadataStore(tmp_path / "run" / "metadata.sqlite") as store:
         valid = sorted(r.step for r in store.rows(tier="remote", status="valid"))
     assert 40 in valid and 20 not in valid

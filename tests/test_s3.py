@@ -27,7 +27,8 @@ import pytest
 import torch
 import yaml
 
-from ckptpilot import CheckpointPilot, Policy, PolicyError, load_policy, runops
+from ckptpilot import CheckpointPilot, Policy, PolicyError, load_policy
+from ckptpilot.cli import ops
 from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.tiers.remote import archive
 from ckptpilot.tiers.remote.store import RemoteTier
@@ -150,15 +151,15 @@ def test_save_restore_list_validate_prune_on_s3(tmp_path: Path, s3_endpoint: str
         assert torch.equal(_bits(a), _bits(b))
 
     out = io.StringIO()
-    assert runops.ls(policy, out) == 0
+    assert ops.ls(policy, out) == 0
     listed = [line.split()[:5] for line in out.getvalue().splitlines()[1:]]
     assert sorted((int(step), status) for step, _, _, _, status in listed) == sorted(
         (step, "valid") for step, *_ in saves)
     out = io.StringIO()
-    assert runops.validate(policy, rebuild=False, out=out) == 0
+    assert ops.validate(policy, rebuild=False, out=out) == 0
     assert f"{len(saves)} ok, 0 corrupted" in out.getvalue()
     out = io.StringIO()
-    assert runops.prune(policy, dry_run=False, out=out) == 0
+    assert ops.prune(policy, dry_run=False, out=out) == 0
     kept = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/runs/exp1", refresh=True))
     assert archive.checkpoint_name(10, 0) in kept and len(kept) < len(names)
     for name in kept:
@@ -220,7 +221,7 @@ def test_a_writer_killed_between_data_and_manifest_leaves_no_checkpoint(
     assert unfinished in listing.staging
     assert [s for s, _ in listing.published] == [3]
     out = io.StringIO()
-    assert runops.validate(policy, rebuild=False, out=out) == 0
+    assert ops.validate(policy, rebuild=False, out=out) == 0
     assert "1 unfinished save(s)" in out.getvalue() and "1 ok, 0 corrupted" in out.getvalue()
 
     model, opt = _model()
@@ -234,7 +235,7 @@ def test_a_writer_killed_between_data_and_manifest_leaves_no_checkpoint(
 
 
 def _rows(policy: Policy) -> dict[int, str]:
-    run = runops.Run(policy)
+    run = ops.Run(policy)
     with run.store(read_only=True) as store:
         return {r.step: r.status.value for r in store.rows(run.run_id)}
 

@@ -487,7 +487,7 @@ NOT_CHECKPOINTS = {
     "ckptpilot.probes.fsync": "its own probe file",
     "ckptpilot.rundir": "the temporary file of the run id's atomic creation",
     "ckptpilot.catalog": "the recover pin file",
-    "ckptpilot.demo": "the demo's own run directory, marked by it",
+    "ckptpilot.cli.demo": "the demo's own run directory, marked by it",
     "ckptpilot.fit": "fault injection in the scratch runs `ckptpilot fit` made",
     "ckptpilot.fit.harness": "the scratch runs and tiers `ckptpilot fit` made",
     "ckptpilot.fit.scenarios": "fault injection in the scratch runs `ckptpilot fit` made",

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from test_s3 import _model, _options, _policy_file, _train, bucket, s3_endpoint
 
-from ckptpilot import CheckpointPilot, load_policy, runops
+from ckptpilot import CheckpointPilot, load_policy
+from ckptpilot.cli import ops
 from ckptpilot.tiers.remote import archive
 
 pytestmark = pytest.mark.integration
@@ -46,7 +47,7 @@ def test_a_row_pointing_at_the_prefixs_parent_on_s3_is_refused_and_nothing_is_de
         with sqlite3.connect(db_path) as db:
             db.execute("update checkpoints set location = ? where step = 3", (location,))
         out = io.StringIO()
-        status = runops.prune(policy, dry_run=False, out=out)
+        status = ops.prune(policy, dry_run=False, out=out)
         fs.invalidate_cache()
         return status, out.getvalue()
 

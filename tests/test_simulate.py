@@ -226,7 +226,7 @@ def test_replay_of_a_run_predicts_its_lost_steps_and_overhead_from_per_event_cos
 
 
 def _report(**figures: object):
-    from ckptpilot.report import GoodputReport
+    from ckptpilot.cli.report import GoodputReport
 
     blank = {f.name: None for f in dataclasses.fields(GoodputReport)}
     return GoodputReport(**{**blank, **figures})

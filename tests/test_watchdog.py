@@ -13,10 +13,10 @@ import pytest
 import safetensors.torch
 from helpers import assert_states_bit_equal, start_ddp_ranks
 
+from ckptpilot.cli.report import build_report, read_records
 from ckptpilot.guards.watchdog import HangWatchdog, hang_bound_seconds
 from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy, WatchdogPolicy
-from ckptpilot.report import build_report, read_records
 from ckptpilot.storage.heartbeat import HeartbeatWriter
 from ckptpilot.storage.ledger import FailureLedger
 from ckptpilot.vocab import ExitStatus

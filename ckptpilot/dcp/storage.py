@@ -1,6 +1,6 @@
 """DCP checkpoints on the remote tier: list, read and verify them, and settle their rows.
 
-Shared by the writer and reader of :mod:`ckptpilot.dcp` and by ``ckptpilot.runops`` (``ls``,
+Shared by the writer and reader of :mod:`ckptpilot.dcp` and by ``ckptpilot.cli.ops`` (``ls``,
 ``validate``, ``prune``, ``recover``). Owns how a DCP checkpoint's bytes are checked against
 its commit file and how its per-rank rows relate to its one directory (every rank's row
 points at the same directory). Formats belong to ``dcp.format``; durability and publication

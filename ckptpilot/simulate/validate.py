@@ -2,7 +2,7 @@
 
 This module owns :class:`RunCosts` (the per-event costs a run's goodput report measured: step
 time, stall and background seconds per save, the steps between saves, down time per failure),
-:func:`run_costs` (reading them off a :class:`~ckptpilot.report.GoodputReport`) and two
+:func:`run_costs` (reading them off a :class:`~ckptpilot.cli.report.GoodputReport`) and two
 predictions of the run's totals from them: :func:`replay` (the model given the run's own
 failure times) and :func:`expected` (the model drawing exponential failures at the run's
 MTBF). ``ckptpilot report --predict`` prints the second beside what was measured;
@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
 
+from ckptpilot.cli.report import GoodputReport
 from ckptpilot.errors import CkptPilotError
-from ckptpilot.report import GoodputReport
 from ckptpilot.simulate.costs import TierCosts
 from ckptpilot.simulate.failures import Failure, FailureKind, FailureModel
 from ckptpilot.simulate.model import Outcome, simulate

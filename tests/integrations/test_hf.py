@@ -29,9 +29,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from ckptpilot import PolicyError, StateError, load_policy
+from ckptpilot.cli.ops import Run
 from ckptpilot.integrations.hf import CheckpointPilotCallback
 from ckptpilot.retention.plan import BestPolicy, plan_retention
-from ckptpilot.runops import Run
 from ckptpilot.storage.metadata import CheckpointRow
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]

@@ -51,12 +51,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ckptpilot.cli.ops import Run
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.format.heartbeat_ring import HeartbeatRecord
 from ckptpilot.format.ledger_line import parse_line
 from ckptpilot.policy import Policy
 from ckptpilot.rundir import heartbeat_path, ledger_path
-from ckptpilot.runops import Run
 from ckptpilot.scheduler.interval import daly_interval
 from ckptpilot.storage.heartbeat import read_all
 from ckptpilot.storage.ledger import FailureLedger, Interruption, Rollback, Stop

@@ -2,7 +2,7 @@
 
 The parent process (``run_demo``) never trains: it starts a training child, watches its
 progress on a pipe, SIGKILLs it mid-run, starts a second child that restores from the
-checkpoints and finishes, then prints a summary. The child (``python -m ckptpilot.demo``)
+checkpoints and finishes, then prints a summary. The child (``python -m ckptpilot.cli.demo``)
 trains a small character-level transformer on the source text of the Python standard library
 (no downloads) with a ``CheckpointPilot`` and reports JSON lines on stdout.
 
@@ -227,7 +227,7 @@ def _events(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
 
 def _child(run_dir: Path, config: Path, steps: int, kill_at: int | None, run: _Run,
            label: str, total: int) -> None:
-    cmd = [sys.executable, "-m", "ckptpilot.demo", "--child", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "ckptpilot.cli.demo", "--child", "--run-dir", str(run_dir),
            "--config", str(config), "--steps", str(steps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
     t0 = time.monotonic()
@@ -488,7 +488,7 @@ def run_demo(*, steps: int, run_dir: Path, config: Path | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ckptpilot.demo")
+    p = argparse.ArgumentParser(prog="python -m ckptpilot.cli.demo")
     p.add_argument("--child", action="store_true", required=True)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--config", type=Path, required=True)

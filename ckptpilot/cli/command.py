@@ -157,31 +157,31 @@ def main(argv: list[str] | None = None) -> int:
                            as_json=args.json == "-", keep=args.keep, launcher=args.launcher,
                            nproc=args.nproc, reference=args.reference,
                            json_path=None if args.json in (None, "-") else Path(args.json))
-        from ckptpilot import runops
+        from ckptpilot.cli import ops
         from ckptpilot.policy import load_policy
 
         policy = load_policy(args.config, run_dir=args.run_dir)
         out = sys.stdout
         if args.command == "ls":
-            return runops.ls(policy, out)
+            return ops.ls(policy, out)
         if args.command == "recover":
-            return runops.recover(policy, step=args.step, dry_run=args.dry_run,
-                                  force=args.force, out=out)
+            return ops.recover(policy, step=args.step, dry_run=args.dry_run,
+                               force=args.force, out=out)
         if args.command == "prune":
-            return runops.prune(policy, dry_run=args.dry_run, out=out)
+            return ops.prune(policy, dry_run=args.dry_run, out=out)
         if args.command == "report":
-            from ckptpilot.report import run_report
+            from ckptpilot.cli.report import run_report
 
             rc = run_report(policy, out, as_json=args.json, gpus=args.gpus,
                             tensorboard=not args.no_tensorboard)
             if args.predict:
-                from ckptpilot.report import build_report, read_records
+                from ckptpilot.cli.report import build_report, read_records
                 from ckptpilot.simulate.validate import format_prediction
 
                 out.write(format_prediction(build_report(read_records(policy)),
                                             gpus=args.gpus or 1))
             return rc
-        return runops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
+        return ops.validate(policy, rebuild=args.rebuild, dry_run=args.dry_run, out=out)
     except CkptPilotError as e:
         print(f"ckptpilot {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ckptpilot.demo import DemoError, run_demo
+    from ckptpilot.cli.demo import DemoError, run_demo
 
     try:
         return run_demo(steps=args.steps, run_dir=args.run_dir, config=args.config)
@@ -207,7 +207,3 @@ def _describe_os_error(error: OSError) -> str:
     files = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
     return (f"{error.strerror or type(error).__name__}: {files}; check that it exists and that "
             "this user may read (and, for changes, write) it and its directory")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
