@@ -106,12 +106,6 @@ def _is_cli(name: str) -> bool:
     return name == "ckptpilot.cli" or name.startswith("ckptpilot.cli.")
 
 
-IMPORTS_THE_CLI = {
-    "ckptpilot.simulate.validate": "`report --predict` feeds the measured GoodputReport "
-                                   "(cli/report.py) to the simulator",
-}
-"""The modules outside ``cli/`` that still import from it, and why: each one is a back-arrow
-to take out, not a place for a new one."""
 
 
 def test_nothing_below_the_command_imports_it() -> None:
@@ -119,12 +113,10 @@ def test_nothing_below_the_command_imports_it() -> None:
     job, an integration or a daemon never loads the command's parser or operations. Only
     ``python -m ckptpilot`` (``__main__``) enters it from outside."""
     for name, deps in GRAPH.items():
-        if _is_cli(name) or name == "ckptpilot.__main__" or name in IMPORTS_THE_CLI:
+        if _is_cli(name) or name == "ckptpilot.__main__":
             continue
         climbs = sorted(d for d in deps if _is_cli(d))
         assert climbs == [], f"{name} imports {climbs}: nothing outside ckptpilot/cli/ may"
-    for listed in IMPORTS_THE_CLI:  # the list names modules that exist and still need it
-        assert any(_is_cli(d) for d in GRAPH[listed]), listed
     assert {"ckptpilot.cli.command", "ckptpilot.cli.ops", "ckptpilot.cli.report",
             "ckptpilot.cli.demo"} <= set(MODULES)
     assert not {"ckptpilot.runops", "ckptpilot.report", "ckptpilot.demo"} & set(MODULES)

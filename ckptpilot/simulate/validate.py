@@ -2,7 +2,9 @@
 
 This module owns :class:`RunCosts` (the per-event costs a run's goodput report measured: step
 time, stall and background seconds per save, the steps between saves, down time per failure),
-:func:`run_costs` (reading them off a :class:`~ckptpilot.cli.report.GoodputReport`) and two
+:func:`run_costs` (reading them off a :class:`MeasuredRun`: what ``ckptpilot report``'s
+``GoodputReport`` measured, which this module reads but does not import, being below the
+command) and two
 predictions of the run's totals from them: :func:`replay` (the model given the run's own
 failure times) and :func:`expected` (the model drawing exponential failures at the run's
 MTBF). ``ckptpilot report --predict`` prints the second beside what was measured;
@@ -18,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
+from typing import Protocol
 
-from ckptpilot.cli.report import GoodputReport
 from ckptpilot.errors import CkptPilotError
 from ckptpilot.simulate.costs import TierCosts
 from ckptpilot.simulate.failures import Failure, FailureKind, FailureModel
@@ -27,7 +29,39 @@ from ckptpilot.simulate.model import Outcome, simulate
 from ckptpilot.simulate.schedules import fixed_schedule
 from ckptpilot.storage.metadata import CheckpointRow
 
-__all__ = ["Prediction", "RunCosts", "expected", "replay", "run_costs"]
+__all__ = ["MeasuredRun", "Prediction", "RunCosts", "expected", "replay", "run_costs"]
+
+
+class MeasuredRun(Protocol):
+    """The figures of a run's goodput report the prediction reads (``cli/report.py``'s
+    ``GoodputReport`` has them all); None where the run's records did not say."""
+
+    @property
+    def steps_trained(self) -> int | None: ...
+    @property
+    def steps_productive(self) -> int | None: ...
+    @property
+    def steps_lost_to_failures(self) -> int: ...
+    @property
+    def step_seconds(self) -> float | None: ...
+    @property
+    def wall_seconds(self) -> float | None: ...
+    @property
+    def up_seconds(self) -> float | None: ...
+    @property
+    def down_after_failures_seconds(self) -> float | None: ...
+    @property
+    def stall_seconds(self) -> float | None: ...
+    @property
+    def saves(self) -> int: ...
+    @property
+    def background_seconds(self) -> float | None: ...
+    @property
+    def goodput_fraction(self) -> float | None: ...
+    @property
+    def interruptions(self) -> int: ...
+    @property
+    def mtbf_seconds(self) -> float | None: ...
 
 
 class PredictionError(CkptPilotError, ValueError):
@@ -112,7 +146,7 @@ def first_save_extra_seconds(rows: Iterable[CheckpointRow]) -> float:
     return max(0.0, lags[steps[0]] - fmean(lags[s] for s in steps[1:]))
 
 
-def run_costs(report: GoodputReport, *, gpus: int = 1,
+def run_costs(report: MeasuredRun, *, gpus: int = 1,
               rows: Iterable[CheckpointRow] | None = None) -> RunCosts:
     """The per-event costs of a report: mean step time, stall and background per save, mean
     steps between saves, down time per failure (0 without failures). With the run's
@@ -184,7 +218,7 @@ def expected(costs: RunCosts, *, mtbf_seconds: float, wall_seconds: float, seeds
                       goodput=fmean(p.goodput for p in runs))
 
 
-def format_prediction(report: GoodputReport, *, gpus: int = 1, seeds: int = 200) -> str:
+def format_prediction(report: MeasuredRun, *, gpus: int = 1, seeds: int = 200) -> str:
     """``ckptpilot report --predict``: the model's goodput for this run's own size and costs
     beside the measured one."""
     costs = run_costs(report, gpus=gpus)
