@@ -1,10 +1,13 @@
 """Telemetry of checkpointing: the decision log (JSON lines) and TensorBoard scalars.
 
 Owns one background thread and the files it writes; nothing else. The training thread only
-enqueues plain values (``decision`` costs a deque append), so importing TensorBoard (about a
-second), building protobufs and writing files never run on it, and the thread runs at idle
-priority (``ckptpilot.background``), so they take no time slice from training either.
-``close()`` drains the queue.
+enqueues plain values (``decision`` costs a deque append), so building protobufs and writing
+files never run on it, and the thread runs at background priority (``ckptpilot.background``),
+so they take few time slices from training. Priority does not decide who holds the GIL,
+though: Python this thread runs delays the training thread's return from every operator, so
+it does little of it — the event file is written by ``ckptpilot.format.tfevents``, without
+importing TensorBoard's writer (0.3 s of Python at the first save). ``close()`` drains the
+queue.
 
 Every decision goes to ``decisions_rank_{rank:05d}.jsonl``. TensorBoard gets
 ``checkpoint/score``, ``checkpoint/interval``, ``checkpoint/level`` (0 heartbeat only, 1 pulse,
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptpilot.background import lower_priority, urgent
+from ckptpilot.format.tfevents import EventFile
 from ckptpilot.scheduler.decision import CheckpointDecision
 
 log = logging.getLogger("ckptpilot")
@@ -41,7 +45,7 @@ class Telemetry:
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._stop = False
-        self._writer: Any = None
+        self._writer: EventFile | None = None
         self._log_file: Any = None
         self._last_scalars: tuple[float, ...] | None = None
         self._thread: threading.Thread | None = None
@@ -107,11 +111,13 @@ class Telemetry:
             else:
                 step, values = item
                 for tag, value in values.items():
-                    self._tb().add_scalar(tag, value, global_step=step)
+                    self._tb().add_scalar(tag, value, step)
         if quiet is not None:
             self._plot(quiet)
         if self._log_file is not None:
             self._log_file.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def _write_decision(self, d: CheckpointDecision) -> None:
         if self._decision_log:
@@ -128,7 +134,7 @@ class Telemetry:
     def _plot(self, d: CheckpointDecision) -> None:
         level = d.level.rank if d.save and d.level is not None else 0
         if d.rollback_to is not None:
-            self._tb().add_scalar("checkpoint/rollback_to", d.rollback_to, global_step=d.step)
+            self._tb().add_scalar("checkpoint/rollback_to", d.rollback_to, d.step)
         sig = d.signals
         scalars = (d.score, float(d.interval), float(level), sig.get("loss", 0.0),
                    sig.get("grad", 0.0), sig.get("system", 0.0))
@@ -139,11 +145,9 @@ class Telemetry:
                 "checkpoint/signal_loss", "checkpoint/signal_grad", "checkpoint/signal_system")
         tb = self._tb()
         for tag, value in zip(tags, scalars, strict=True):
-            tb.add_scalar(tag, value, global_step=d.step)
+            tb.add_scalar(tag, value, d.step)
 
-    def _tb(self) -> Any:
+    def _tb(self) -> EventFile:
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self._tb_dir))
+            self._writer = EventFile(self._tb_dir)
         return self._writer
