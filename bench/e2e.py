@@ -976,6 +976,8 @@ class LoopRun:
     durable: list[float] = field(default_factory=list)  # the pilot's saves: stall + persist
     invalid: int = 0  # the pilot's saves that failed validation
     load: str = ""  # the machine's load averages when the run ended
+    step_seconds: list[float] = field(default_factory=list)  # every step, in order
+    first_save: int | None = None  # the step of the first save, None without one
 
 
 def build_mlp(sizes: Sizes) -> tuple[nn.Sequential, torch.optim.AdamW]:
@@ -1088,7 +1090,14 @@ def train(variant: str, sizes: Sizes, workdir: Path, exclude: Collection[int]) -
     shutil.rmtree(workdir)
     return LoopRun(wall, median(step_times), saver.saves, cpu, value, construct,
                    [r.stall_seconds + r.persist_seconds for r in saver.records],
-                   sum(r.status.value != "valid" for r in saver.records), loadavg())
+                   sum(r.status.value != "valid" for r in saver.records), loadavg(),
+                   step_times, first_save(variant, sizes, saver.records))
+
+
+def first_save(variant: str, sizes: Sizes, records: Sequence[SaveRecord]) -> int | None:
+    if records:
+        return min(r.step for r in records)
+    return sizes.every if variant in ("torch", "dcp_async") else None
 
 
 MLP_VARIANTS = ("none", "pilot", "pilot_idle", "torch", "dcp_async")
