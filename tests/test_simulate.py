@@ -19,6 +19,7 @@ from ckptpilot.simulate import (
     FailureModel,
     ProfileError,
     TierCosts,
+    ettr_ceiling,
     peer_restore_kind,
     simulate,
 )
@@ -78,6 +79,28 @@ def test_productive_overhead_lost_and_down_add_up_to_the_wall_time(
         assert accounted(out) == pytest.approx(out.wall_seconds, rel=1e-9)
         assert 0 < out.ettr < 1
         assert set(out.failures) == {k.value for k in FailureKind}
+
+
+def test_no_policy_passes_the_ceiling_and_free_checkpoints_reach_it() -> None:
+    mixed = FailureModel(mtbf_seconds=1800)
+    cluster = costs(relaunch_seconds=60.0, hang_detect_seconds=600.0, node_replace_seconds=20.0)
+    # 60 s relaunch + 0.1 x 600 s hang detection + 0.7 x 20 s node swap per 1800 s.
+    assert ettr_ceiling(cluster, mixed) == pytest.approx(1800 / (1800 + 60 + 60 + 14))
+    # Free saves every 10 s of a job that hangs 0.5 s after its save at every 1800 s of
+    # training: half a second of work and the relaunch and the detection are lost.
+    up = 1800.5
+    hangs = FailureModel(mtbf_seconds=up, mix={FailureKind.HANG: 1.0})
+    cycle = up + 60 + 600
+    free = dataclasses.replace(cluster, organ_stall_seconds=0.0, remote_durable_seconds=0.0)
+    out = simulate(free, fixed_schedule(10.0, peer=False),
+                   [Failure(k * cycle + up, FailureKind.HANG) for k in range(50)],
+                   horizon_seconds=50 * cycle, peer=False)
+    assert out.lost_work_seconds == {"hang": pytest.approx(50 * 0.5)}
+    assert out.ettr == pytest.approx(ettr_ceiling(free, hangs) - 0.5 / cycle)
+    real = tier_costs(load_profile(PROFILE), ClusterSpec(), 4096)
+    for schedule in (fixed_schedule(20, peer=True), fixed_schedule(200, peer=False)):
+        out = simulate(real, schedule, mixed, horizon_seconds=86400, peer=True, seed=3)
+        assert out.ettr < ettr_ceiling(real, mixed)
 
 
 def test_same_seed_same_outcome_and_another_seed_another() -> None:

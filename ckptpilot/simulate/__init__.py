@@ -11,7 +11,7 @@ recorded trace), ``model.py`` the event loop and its accounting, ``study.py`` on
 
 from ckptpilot.simulate.costs import ClusterSpec, CostProfile, ProfileError, TierCosts
 from ckptpilot.simulate.failures import Failure, FailureKind, FailureModel
-from ckptpilot.simulate.model import Outcome, peer_restore_kind, simulate
+from ckptpilot.simulate.model import Outcome, ettr_ceiling, peer_restore_kind, simulate
 from ckptpilot.simulate.schedules import Schedule
 from ckptpilot.simulate.study import Row, StudySpec, compare
 
@@ -28,6 +28,7 @@ __all__ = [
     "StudySpec",
     "TierCosts",
     "compare",
+    "ettr_ceiling",
     "peer_restore_kind",
     "simulate",
 ]

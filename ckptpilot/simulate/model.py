@@ -34,7 +34,7 @@ from ckptpilot.simulate.costs import TierCosts
 from ckptpilot.simulate.failures import Failure, FailureKind, FailureModel
 from ckptpilot.simulate.schedules import SaveLevel, Schedule
 
-__all__ = ["Outcome", "peer_restore_kind", "simulate"]
+__all__ = ["Outcome", "ettr_ceiling", "peer_restore_kind", "simulate"]
 
 _PEER, _REMOTE = "peer", "remote"
 
@@ -100,6 +100,20 @@ def peer_restore_kind(lost_nodes: Iterable[int], group_size: int) -> str | None:
     if not per_group:
         return "intact"
     return "rebuild" if max(per_group.values()) < 2 else None
+
+
+def ettr_ceiling(costs: TierCosts, failures: FailureModel) -> float:
+    """The ETTR of this job if its checkpoints cost nothing and lost nothing: every failure
+    still takes the relaunch, a hang its detection and a lost node its swap (the model's own
+    charges, restore aside), and failures are counted from the end of each recovery, so a
+    failure's mean cycle is ``mtbf_seconds`` of training and that down time. No checkpoint
+    policy can pass it: a goal above it asks something of the cluster, not of checkpointing."""
+    down = costs.relaunch_seconds
+    down += failures.mix.get(FailureKind.HANG, 0.0) * costs.hang_detect_seconds
+    takes_nodes = (failures.mix.get(FailureKind.NODE_LOSS, 0.0)
+                   + failures.mix.get(FailureKind.PREEMPTION, 0.0))
+    down += takes_nodes * costs.node_replace_seconds
+    return failures.mtbf_seconds / (failures.mtbf_seconds + down)
 
 
 class _Run:
