@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,7 +45,7 @@ from ckptpilot.tiers.base import CheckpointTier, OpenedImage, Survey, Surveyed
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
 from ckptpilot.vocab import Level, RecoverySource, Status
 
-__all__ = ["MAX_RECOVERY_WALK", "Restored", "Restorer", "SkippedCheckpoint"]
+__all__ = ["MAX_RECOVERY_WALK", "Restored", "Restorer", "Restores", "SkippedCheckpoint"]
 
 log = logging.getLogger("ckptpilot")
 
@@ -90,6 +90,15 @@ class Restored:
     read: Read | None
     skipped: tuple[SkippedCheckpoint, ...]
     pin: Pin | None = None
+
+
+class Restores(Protocol):
+    """How the pilot restores: :class:`Restorer`, or for a sharded state
+    ``sharded_restorer.ShardedRestorer``; the assembly chooses, the pilot calls either so."""
+
+    def restore(self, step: int | None, apply: Callable[[Read], None], *,
+                before: int | None = None,
+                prepare: Callable[[], None] | None = None) -> Restored | None: ...
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ckptpilot import CheckpointPilot
 from ckptpilot.assembly import remote_tier
+from ckptpilot.capture.sharded import resume_cursor
 from ckptpilot.catalog import Catalog
 from ckptpilot.dcp import dcp_name
 from ckptpilot.dcp.storage import read_manifest
@@ -43,7 +44,6 @@ from ckptpilot.errors import StateError
 from ckptpilot.restorer import Read, Restorer
 from ckptpilot.rundir import read_run_id
 from ckptpilot.sampler import ResumableSampler
-from ckptpilot.sharded import resume_cursor
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.vocab import RecoverySource, Status
