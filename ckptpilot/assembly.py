@@ -15,9 +15,8 @@ same functions.
 And it chooses, once, how this run's state is handled (:class:`StateHandling`): a replicated
 state is captured into one arena (``capture.state``) and goes to the memory, peer and remote
 tiers; a sharded one (a model of DTensors) is captured as DTensors (``capture.sharded``),
-goes to the DCP-backed sharded tier alone, and is restored by the collective
-``sharded_restorer``. The writer's loop, the pilot and its save and restore calls are the
-same for both.
+goes to the DCP-backed sharded tier alone. The writer's and the restorer's loops, the pilot
+and its save and restore calls are the same for both.
 
 It must not train, save or restore. Threading: the training thread, once per pilot.
 """
@@ -55,7 +54,7 @@ from ckptpilot.lifecycle import RunLifecycle
 from ckptpilot.policy import Policy
 from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import HealthMonitor
-from ckptpilot.restorer import Restorer, Restores
+from ckptpilot.restorer import Restorer
 from ckptpilot.retention.auto import AutoPruner
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
 from ckptpilot.save.plan import SavePlan, plan_save
@@ -123,7 +122,7 @@ class RunParts:
     rollback: RollbackGuard
     health: HealthMonitor | None
     agreement: RankAgreement | None
-    restorer: Restores
+    restorer: Restorer
     steps: StepDecider
     state: StateHandling  # replicated or sharded (a model of DTensors: through DCP)
     copier: devicecopy.StepFences | None  # device tensors: captures overlap the next steps
@@ -245,8 +244,8 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         agreement = RankAgreement(rank, world_size)
         started["agreement"] = agreement.drop
     if sharded:
-        tiers, state, sharded_restorer = _sharded(policy, components, remote, pool, catalog,
-                                                  agreement, rank, world_size, pulse_codecs)
+        tiers, state = _sharded(policy, components, remote, pool, rank, world_size,
+                                pulse_codecs)
     else:
         tiers = [remote_tier(remote, rank=rank, validator=validator, codecs=pulse_codecs)]
         if peers is not None:
@@ -280,11 +279,7 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     if device is not None:
         copier = devicecopy.StepFences(device, components.model, components.optimizer)
         started["copier"] = copier.remove
-    restorer: Restores
-    if sharded:
-        restorer = sharded_restorer
-    else:
-        restorer = Restorer(catalog, tiers, memory, agreement, world_size)
+    if not sharded:
         state = StateHandling(
             capture=functools.partial(capture, components, rank=rank, world_size=world_size,
                                       pool=pool, copier=copier),
@@ -293,25 +288,21 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,
         heartbeat=heartbeat, lifecycle=lifecycle, rollback=rollback, health=health,
-        agreement=agreement, restorer=restorer,
+        agreement=agreement, restorer=Restorer(catalog, tiers, memory, agreement, world_size),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
                           rollback=rollback, notice=lambda: preemption.pending),
         state=state, copier=copier, preemption=preemption, watchdog=watchdog)
 
 
 def _sharded(policy: Policy, components: TrainingComponents, remote: RemoteTier,
-             pool: HostBufferPool, catalog: Catalog, agreement: RankAgreement | None,
-             rank: int, world_size: int, codecs: CodecSelector
-             ) -> tuple[list[CheckpointTier], StateHandling, Restores]:
+             pool: HostBufferPool, rank: int, world_size: int, codecs: CodecSelector
+             ) -> tuple[list[CheckpointTier], StateHandling]:
     """The parts that handle a sharded state: the DCP-backed tier on a gloo process group of
     its own (DCP's collectives run on the writer thread while training runs its own: on one
-    group they could interleave differently on different ranks), its capture and apply, and
-    the collective restorer."""
+    group they could interleave differently on different ranks), its capture and apply."""
     import torch.distributed as dist  # DCP: seconds of imports dense runs skip
 
     from ckptpilot.capture.sharded import ShardedCapture, apply_sharded, live_tensors
-    from ckptpilot.sharded_restorer import ShardedRestorer
-    from ckptpilot.tiers.sharded import ShardedTier
 
     def live() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         _, optim_tree, model, optim = live_tensors(components)
@@ -320,11 +311,8 @@ def _sharded(policy: Policy, components: TrainingComponents, remote: RemoteTier,
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     tier = sharded_tier(policy, remote, rank=rank, world_size=world_size, group=group,
                         live=live, codecs=codecs)
-    assert isinstance(tier, ShardedTier)
     state = StateHandling(
         capture=ShardedCapture(components, rank=rank, world_size=world_size, pool=pool),
         plan=functools.partial(plan_save, policy=policy, rank_local=False),
         apply=functools.partial(apply_sharded, rank=rank, world_size=world_size))
-    restorer = ShardedRestorer(policy, tier, catalog=catalog, agreement=agreement, rank=rank,
-                               world_size=world_size)
-    return [tier], state, restorer
+    return [tier], state

@@ -133,7 +133,7 @@ def test_storage_is_below_the_tiers() -> None:
 
 def test_the_remote_tier_lives_in_one_folder() -> None:
     """Every module of the remote tier is under ``tiers/remote/``; nothing else in ``tiers/``
-    but the protocol, the memory tier and the peer tier."""
+    but the protocol, the memory tier, the peer tier and the sharded (DCP) tier."""
     assert {"ckptpilot.tiers.remote.store", "ckptpilot.tiers.remote.archive",
             "ckptpilot.tiers.remote.tier", "ckptpilot.tiers.remote.entries"} <= set(MODULES)
     flat = {name for name in MODULES if name.count(".") == 2 and name.startswith(
@@ -154,7 +154,6 @@ OPENS_A_CONCRETE_TIER = {
     "ckptpilot.validation.postwrite": "the remote tier's validator: checks a staged archive",
     "ckptpilot.validation.loadcheck": "the load test reads a staged archive's files",
     "ckptpilot.dcp": "DCP's storage reader/writer over the remote store (not tier images)",
-    "ckptpilot.sharded_restorer": "the collective walk settles and condemns DCP checkpoints",
     "ckptpilot.fit": "the fault-injection campaign damages and forges the tiers directly",
 }
 """The modules above ``tiers/`` that may import a concrete tier, and why: each one operates

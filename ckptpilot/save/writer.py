@@ -12,7 +12,10 @@ capabilities, never their names: a durable tier's save first makes room in the d
 a tier that folds deltas gets the keeper's image of its previous step as the base; a tier
 that keeps no older image supersedes their rows once it commits; a tier that is not durable
 may fail a save, which then goes to the plan's fallback (the durable tier's failure is the
-run's error). A valid save then stays in the keeper (the memory tier, through the same
+run's error); a :class:`~ckptpilot.tiers.base.Collective` tier (the sharded tier: one DCP
+checkpoint of every rank) is refused by every rank when the first rank's disk budget
+refuses it, and records its ``pending`` row from inside its stage
+(``StageOptions.written``). A valid save then stays in the keeper (the memory tier, through the same
 protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
 snapshots exist at once (:meth:`acquire_slot` waits for one).
 

@@ -4,9 +4,12 @@
 An image is one rank's checkpoint at one step as the tiers see it: the snapshot's JSON-able
 ``meta``, its flat ``arena`` of bytes and the ``layout`` that cuts the arena into tensors
 (``Snapshot.layout``), plus the labels the on-disk formats record (level, reason, retention
-class, score). A tier stores and returns images; it must not interpret the meta, choose
-codecs, decide what to save or restore, or record rows: the pilot does, through this
-interface only.
+class, score); or, of a sharded state, its DTensor shards (``CheckpointImage.shards``), which
+only a :class:`Collective` tier stores (every rank's part makes one checkpoint). A tier
+stores and returns images; it must not interpret the meta, choose codecs, decide what to
+save or restore, or record rows: the pilot does, through this interface only (a stage that
+is a collective reports its written bytes through ``StageOptions.written``, for the pilot's
+row).
 
 This module owns the contract and imports no tier, so the pilot, the conformance suite
 (``tests/tiers/``) and any new tier depend on it and not on one another.

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ckptpilot.capture.sharded import decode_meta, host_like, local_part
-from ckptpilot.errors import CheckpointFormatError, StateError
+from ckptpilot.errors import CheckpointFormatError, CkptPilotError, StateError
 
 __all__ = ["LiveTensors", "Load", "NotLoadable", "plan_load", "rank_failures", "why_failed"]
 
@@ -26,10 +26,10 @@ LiveTensors = Callable[[], tuple[Mapping[str, torch.Tensor], Mapping[str, torch.
 """The live model's and optimizer's tensors by checkpoint key (None: no optimizer)."""
 
 
-class NotLoadable(CheckpointFormatError):
+class NotLoadable(CkptPilotError, LookupError):
     """A step this rank does not load whose bytes are not known to be wrong (a DCP
     checkpoint the pilot did not write, a step another rank cannot read): passed over, never
-    condemned."""
+    condemned (not a ``CheckpointFormatError``)."""
 
 
 @dataclass

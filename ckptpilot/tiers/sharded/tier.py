@@ -23,7 +23,17 @@ DCP checkpoint needs beyond another tier is collective, and stays inside this ti
   with no live tensors, like the saved global tensors. Every rank plans its load, learns
   whether every other could, then loads: a step one rank cannot read is read by none.
 - ``first_rank_refuses``: the disk budget's verdict of the first rank, for every rank
-  (``tiers.base.Collective``).
+  (``tiers.base.Collective``, which also tells the restorer that a step is every rank's:
+  ``shared_rows``).
+- ``survey``, ``clear``, ``labels``, ``owns`` (``tiers.base.Surveyed``): the published
+  steps; the first rank alone reports a killed save's staging directory, so one rank
+  removes it.
+
+A failed ``open`` fails on every rank, each with its reason: a DCP load's failure (every
+rank's, ``CheckpointException``) becomes a ``CheckpointFormatError`` when any rank read
+wrong bytes, an ``OSError`` when every rank failed to read, naming each rank; a rank that
+could read a step another could not raises :class:`~ckptpilot.tiers.sharded.load.NotLoadable`.
+So nothing live changes on one rank when another cannot load the step.
 
 Every collective runs on ``group``, the tier's own (DCP's collectives run on the writer
 thread while training runs its own: on one process group they could interleave differently
@@ -36,7 +46,8 @@ first rank only: the directory is every rank's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckptpilot.capture.sharded import json_tensor
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.dcp import Reader, Writer, dcp_name
-from ckptpilot.dcp.storage import list_dcp
+from ckptpilot.dcp.storage import entry_of, is_dcp_entry, list_dcp, read_manifest
 from ckptpilot.dcp.writer import WrittenPart, read_back
 from ckptpilot.errors import CheckpointFormatError, IntegrityError, NoCheckpointError
 from ckptpilot.policy import Policy
@@ -58,10 +69,11 @@ from ckptpilot.tiers.base import (
     PutReceipt,
     Staged,
     StageOptions,
+    Survey,
     TierCapabilities,
     put_in_two_phases,
 )
-from ckptpilot.tiers.remote.store import RemoteTier
+from ckptpilot.tiers.remote.store import STAGING_MARK, RemoteTier
 from ckptpilot.tiers.sharded.load import (
     LiveTensors,
     NotLoadable,
@@ -69,6 +81,7 @@ from ckptpilot.tiers.sharded.load import (
     plan_load,
     rank_failures,
     tensor_getter,
+    why_failed,
 )
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
@@ -82,7 +95,7 @@ class ShardedTier:
     capabilities = TierCapabilities(durable=True, survives_node_loss=True, folds_deltas=False,
                                     speed=Tier.REMOTE.speed, keeps_older=True)
     failures: tuple[type[BaseException], ...] = (OSError, CheckpointFormatError,
-                                                 NoCheckpointError, CheckpointException)
+                                                 NoCheckpointError, NotLoadable)
 
     def __init__(self, policy: Policy, remote: RemoteTier, *, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, live: LiveTensors | None = None,
@@ -91,6 +104,7 @@ class ShardedTier:
         tensors whole); ``codecs``: the run's codec selector (its trials carry over from
         save to save), used when a save asks for codecs."""
         self.remote = remote
+        self.url = remote.url
         self.rank = rank
         self.where = f"the sharded checkpoints in {remote.url}"
         self._policy = policy
@@ -117,13 +131,20 @@ class ShardedTier:
         return int(flag.item())
 
     def _dcp(self, run: Callable[[], object]) -> None:
-        """A DCP collective; in a single process its one failure raised as itself."""
+        """A DCP collective (its failure is every rank's); in a single process its one
+        failure raised as itself, else as a format error when any rank read wrong bytes, an
+        I/O error when every rank failed to read, each rank's reason named."""
         try:
             run()
         except CheckpointException as e:
             failures = list(rank_failures(e).values())
             if self._group is None and len(failures) == 1:
                 raise failures[0] from e
+            if any(isinstance(f, CheckpointFormatError) for f in failures) and all(
+                    isinstance(f, (CheckpointFormatError, OSError)) for f in failures):
+                raise CheckpointFormatError(why_failed(e)) from e
+            if all(isinstance(f, OSError) for f in failures):
+                raise OSError(why_failed(e)) from e
             raise
 
     # -- the two-phase put ------------------------------------------------------------------
@@ -240,9 +261,16 @@ class ShardedTier:
         except IntegrityError as e:  # one process's own: the item's message, with the step
             raise IntegrityError(f"step {step}: {e.key}", e.expected, e.actual,
                                  e.digest) from e
-        opened = OpenedImage(step, meta_of(load, load.source, where),
-                             Level(reader.manifest["level"]), where, reader.bytes_read,
-                             tensor_getter(load, where))
+        meta, error = None, None
+        try:
+            meta = meta_of(load, load.source, where)
+        except CheckpointFormatError as e:
+            error = e
+        if self._least(int(error is None)) == 0:  # loaded everywhere, or used nowhere
+            raise error or NotLoadable(f"{where}: another rank cannot read step {step}")
+        assert meta is not None
+        opened = OpenedImage(step, meta, Level(reader.manifest["level"]), where,
+                             reader.bytes_read, tensor_getter(load, where))
         return opened, [k for k in load.state if not k.startswith("rank/")]
 
     def get(self, step: int) -> CheckpointImage:
@@ -256,6 +284,24 @@ class ShardedTier:
 
     def locate(self, step: int) -> str:
         return self.remote.path(dcp_name(step))
+
+    # -- the listing a restore repairs and chooses from (tiers.base.Surveyed) ---------------
+
+    def survey(self) -> Survey:
+        names = self.remote.list()
+        published = {step: self.remote.path(name) for step, name in list_dcp(self.remote)}
+        unfinished = [name for name in names if STAGING_MARK in name and is_dcp_entry(name)]
+        return Survey(published, unfinished if self.rank == 0 else [])
+
+    def clear(self, location: str) -> None:
+        self.remote.remove(entry_of(location))
+
+    def labels(self, step: int) -> Mapping[str, Any]:
+        manifest = read_manifest(self.remote, dcp_name(step))
+        return {"level": manifest["level"], "world_size": manifest["world_size"]}
+
+    def owns(self, location: str) -> bool:
+        return is_dcp_entry(entry_of(location))
 
     # -- housekeeping (the first rank: the directory is every rank's) -----------------------
 
