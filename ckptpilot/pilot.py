@@ -103,7 +103,7 @@ class CheckpointPilot:
                                stops=self._stops, step_now=lambda: self.step)
             self.run_id, self.remote, self.store = parts.run_id, parts.remote, parts.store
             self.memory, self.peers, self.scheduler = parts.memory, parts.peers, parts.scheduler
-            self._pool, self._catalog, self._writer = parts.pool, parts.catalog, parts.writer
+            self._catalog, self._writer = parts.catalog, parts.writer
             self._telemetry, self._heartbeat, self._health = (parts.telemetry, parts.heartbeat,
                                                               parts.health)
             self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,

@@ -15,8 +15,8 @@ may fail a save, which then goes to the plan's fallback (the durable tier's fail
 run's error); a :class:`~ckptpilot.tiers.base.Collective` tier (the sharded tier: one DCP
 checkpoint of every rank) is refused by every rank when the first rank's disk budget
 refuses it, and records its ``pending`` row from inside its stage
-(``StageOptions.written``). A valid save then stays in the keeper (the memory tier, through the same
-protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
+(``StageOptions.written``). A valid save then stays in the keeper (the memory tier, through
+the same protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
 snapshots exist at once (:meth:`acquire_slot` waits for one).
 
 An exception in a job is kept and raised on the training thread by :meth:`raise_errors` as
