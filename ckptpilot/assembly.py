@@ -7,9 +7,16 @@ stops run (:data:`STOP_ORDER`). A failure half-way through stops exactly what wa
 once every part runs, their stops go on the caller's ``ExitStack``.
 
 It is also the one module above ``tiers/`` that knows the concrete tiers: :func:`memory_tier`,
-:func:`peer_tier` and :func:`remote_tier` build the :class:`~ckptpilot.tiers.base.CheckpointTier`
-objects the writer and the restorer are given, and the tier conformance suite
-(``tests/tiers/``) builds the objects it certifies through the same functions.
+:func:`peer_tier`, :func:`remote_tier` and :func:`sharded_tier` build the
+:class:`~ckptpilot.tiers.base.CheckpointTier` objects the writer and the restorer are given,
+and the tier conformance suite (``tests/tiers/``) builds the objects it certifies through the
+same functions.
+
+And it chooses, once, how this run's state is handled (:class:`StateHandling`): a replicated
+state is captured into one arena (``capture.state``) and goes to the memory, peer and remote
+tiers; a sharded one (a model of DTensors) is captured as DTensors (``capture.sharded``),
+goes to the DCP-backed sharded tier alone. The writer's and the restorer's loops, the pilot
+and its save and restore calls are the same for both.
 
 It must not train, save or restore. Threading: the training thread, once per pilot.
 """
@@ -17,19 +24,27 @@ It must not train, save or restore. Threading: the training thread, once per pil
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckptpilot import background
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.capture import devicecopy
-from ckptpilot.capture.state import HostBufferPool, TrainingComponents, holds_dtensors
-from ckptpilot.catalog import Catalog
+from ckptpilot.capture.state import (
+    HostBufferPool,
+    Snapshot,
+    TrainingComponents,
+    apply,
+    capture,
+    holds_dtensors,
+)
+from ckptpilot.catalog import Catalog, SaveIntent
 from ckptpilot.codecs.selector import CodecSelector
 from ckptpilot.errors import PolicyError
 from ckptpilot.guards.preemption import PreemptionGuard
@@ -42,6 +57,7 @@ from ckptpilot.probes.monitor import HealthMonitor
 from ckptpilot.restorer import Restorer
 from ckptpilot.retention.auto import AutoPruner
 from ckptpilot.rundir import heartbeat_path, ledger_path, metadata_path, run_identity
+from ckptpilot.save.plan import SavePlan, plan_save
 from ckptpilot.save.writer import CheckpointWriter
 from ckptpilot.scheduler.adaptive import AdaptiveCheckpointScheduler
 from ckptpilot.steps import StepDecider
@@ -57,10 +73,12 @@ from ckptpilot.tiers.remote.tier import RemoteCheckpointTier
 from ckptpilot.validation.postwrite import PostWriteValidator
 
 if TYPE_CHECKING:
-    from ckptpilot.sharded import ShardedState
+    import torch.distributed as dist
 
-__all__ = ["STOP_ORDER", "RunParts", "codec_selector", "memory_tier", "open_parts", "peer_tier",
-           "remote_tier"]
+    from ckptpilot.tiers.sharded.load import LiveTensors
+
+__all__ = ["STOP_ORDER", "RunParts", "StateHandling", "codec_selector", "memory_tier",
+           "open_parts", "peer_tier", "remote_tier", "sharded_tier"]
 
 log = logging.getLogger("ckptpilot")
 
@@ -70,6 +88,19 @@ STOP_ORDER = ("watchdog", "preemption", "writer", "copier", "agreement", "heartb
 pilot has no steps to watch and takes no notice), the writer next (nothing is written after),
 then the step hooks of the device copies (no copy is pending once the writer stopped), the pending
 all-reduce before the clean end goes into the ledger, the metadata store last."""
+
+
+@dataclass(frozen=True)
+class StateHandling:
+    """How this run's state is captured, planned and applied: ``capture(step=, epoch=,
+    extras=)`` takes a snapshot on the training thread; ``plan(intent)`` the tiers it goes
+    to; ``apply(components, meta, get_tensor)`` loads a read step into the live objects and
+    returns the extras."""
+
+    capture: Callable[..., Snapshot]
+    plan: Callable[[SaveIntent], SavePlan]
+    apply: Callable[[TrainingComponents, Mapping[str, Any], Callable[[str], torch.Tensor]],
+                    dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -93,7 +124,7 @@ class RunParts:
     agreement: RankAgreement | None
     restorer: Restorer
     steps: StepDecider
-    sharded: ShardedState | None  # a model of DTensors: saved and restored through DCP
+    state: StateHandling  # replicated or sharded (a model of DTensors: through DCP)
     copier: devicecopy.StepFences | None  # device tensors: captures overlap the next steps
     preemption: PreemptionGuard
     watchdog: HangWatchdog
@@ -125,6 +156,18 @@ def remote_tier(remote: RemoteTier, *, rank: int, validator: PostWriteValidator 
     """Rank ``rank``'s archives on ``remote``, validated by ``validator`` before publication
     and encoded by ``codecs`` when a save asks for codecs (see ``tiers.remote.tier``)."""
     return RemoteCheckpointTier(remote, rank=rank, validator=validator, codecs=codecs)
+
+
+def sharded_tier(policy: Policy, remote: RemoteTier, *, rank: int, world_size: int,
+                 group: dist.ProcessGroup | None, live: LiveTensors | None = None,
+                 codecs: CodecSelector | None = None) -> CheckpointTier:
+    """Rank ``rank``'s part of the run's sharded checkpoints (DCP) on ``remote``, its
+    collectives on ``group`` (None: one process); a load reshards into ``live`` (see
+    ``tiers.sharded.tier``)."""
+    from ckptpilot.tiers.sharded import ShardedTier  # DCP: seconds of imports dense runs skip
+
+    return ShardedTier(policy, remote, rank=rank, world_size=world_size, group=group,
+                       live=live, codecs=codecs)
 
 
 def open_parts(policy: Policy, components: TrainingComponents, *, rank: int, world_size: int,
@@ -179,9 +222,13 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     background.use_idle_priority(policy.async_.background_priority == "idle")
     pool = HostBufferPool(max_pending)
     mem, peer = policy.tiers.memory, policy.tiers.peer
-    memory = memory_tier(mem.max_bytes, pool) if mem.enabled else None
+    sharded = holds_dtensors(components)
+    if sharded and (mem.enabled or peer.enabled):
+        log.info("sharded state: saves go to the remote tier only (ckptpilot.dcp); the "
+                 "memory and peer tiers hold one rank's replicated state")
+    memory = memory_tier(mem.max_bytes, pool) if mem.enabled and not sharded else None
     peers = None
-    if peer.enabled:
+    if peer.enabled and not sharded:
         peers = PeerTier.from_policy(peer, run_id=f"{run_dir.name}-{run_id}.rank{rank:05d}")
         started["peers"] = peers.close
     obs = policy.observability
@@ -192,9 +239,17 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
     retention = policy.retention
     pruner = (AutoPruner(store, run_id, remote, retention, world_size=world_size)
               if rank == 0 and (retention.auto or retention.budgeted) else None)
-    tiers = [remote_tier(remote, rank=rank, validator=validator, codecs=pulse_codecs)]
-    if peers is not None:
-        tiers.append(peer_tier(peers, rank=rank))
+    agreement = None
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        agreement = RankAgreement(rank, world_size)
+        started["agreement"] = agreement.drop
+    if sharded:
+        tiers, state = _sharded(policy, components, remote, pool, rank, world_size,
+                                pulse_codecs)
+    else:
+        tiers = [remote_tier(remote, rank=rank, validator=validator, codecs=pulse_codecs)]
+        if peers is not None:
+            tiers.append(peer_tier(peers, rank=rank))
     writer = CheckpointWriter(catalog=catalog, tiers={t.kind: t for t in tiers}, keeper=memory,
                               pool=pool, telemetry=telemetry, max_pending=max_pending,
                               pruner=pruner)
@@ -218,23 +273,17 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         health = HealthMonitor(run_dir, policy.scheduler.system, provider=gpu_health)
         started["health"] = health.stop  # also when start() fails half-way
         health.start()
-    agreement = None
-    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        agreement = RankAgreement(rank, world_size)
-        started["agreement"] = agreement.drop
-    sharded = None
-    if holds_dtensors(components):
-        from ckptpilot.sharded import ShardedState  # DCP: seconds of imports dense runs skip
-
-        sharded = ShardedState(policy, components, catalog=catalog, writer=writer,
-                               telemetry=telemetry, agreement=agreement, rank=rank,
-                               world_size=world_size)
     copier = None
-    # A sharded model's capture copies and synchronises on its own (sharded/save.py): no hooks.
-    device = devicecopy.copier_for(components.model) if sharded is None else None
+    # A sharded model's capture copies and synchronises on its own (capture.sharded): no hooks.
+    device = devicecopy.copier_for(components.model) if not sharded else None
     if device is not None:
         copier = devicecopy.StepFences(device, components.model, components.optimizer)
         started["copier"] = copier.remove
+    if not sharded:
+        state = StateHandling(
+            capture=functools.partial(capture, components, rank=rank, world_size=world_size,
+                                      pool=pool, copier=copier),
+            plan=functools.partial(plan_save, policy=policy), apply=apply)
     return RunParts(
         run_id=run_id, remote=remote, memory=memory, peers=peers, pool=pool, store=store,
         catalog=catalog, scheduler=scheduler, telemetry=telemetry, writer=writer,
@@ -242,4 +291,28 @@ def _start(policy: Policy, components: TrainingComponents, rank: int, world_size
         agreement=agreement, restorer=Restorer(catalog, tiers, memory, agreement, world_size),
         steps=StepDecider(policy, scheduler, health=health, agreement=agreement,
                           rollback=rollback, notice=lambda: preemption.pending),
-        sharded=sharded, copier=copier, preemption=preemption, watchdog=watchdog)
+        state=state, copier=copier, preemption=preemption, watchdog=watchdog)
+
+
+def _sharded(policy: Policy, components: TrainingComponents, remote: RemoteTier,
+             pool: HostBufferPool, rank: int, world_size: int, codecs: CodecSelector
+             ) -> tuple[list[CheckpointTier], StateHandling]:
+    """The parts that handle a sharded state: the DCP-backed tier on a gloo process group of
+    its own (DCP's collectives run on the writer thread while training runs its own: on one
+    group they could interleave differently on different ranks), its capture and apply."""
+    import torch.distributed as dist  # DCP: seconds of imports dense runs skip
+
+    from ckptpilot.capture.sharded import ShardedCapture, apply_sharded, live_tensors
+
+    def live() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        _, optim_tree, model, optim = live_tensors(components)
+        return model, (optim if optim_tree is not None else None)
+
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    tier = sharded_tier(policy, remote, rank=rank, world_size=world_size, group=group,
+                        live=live, codecs=codecs)
+    state = StateHandling(
+        capture=ShardedCapture(components, rank=rank, world_size=world_size, pool=pool),
+        plan=functools.partial(plan_save, policy=policy, rank_local=False),
+        apply=functools.partial(apply_sharded, rank=rank, world_size=world_size))
+    return [tier], state

@@ -43,7 +43,7 @@ import torch
 
 from ckptpilot.agreement import process_rank_world
 from ckptpilot.assembly import open_parts
-from ckptpilot.capture.state import Stateful, TrainingComponents, apply, capture, unwrap_optimizer
+from ckptpilot.capture.state import Stateful, TrainingComponents, unwrap_optimizer
 from ckptpilot.catalog import SaveIntent
 from ckptpilot.lifecycle import RecoveryReport
 from ckptpilot.policy import Policy, load_policy
@@ -51,7 +51,6 @@ from ckptpilot.probes.gpu import GpuHealthProvider
 from ckptpilot.probes.monitor import FROM_POLICY
 from ckptpilot.restorer import Read, SkippedCheckpoint
 from ckptpilot.rundir import RunLease
-from ckptpilot.save.plan import plan_save
 from ckptpilot.save.writer import SaveRecord
 from ckptpilot.scheduler.decision import CheckpointDecision
 from ckptpilot.steps import write_heartbeat
@@ -104,13 +103,12 @@ class CheckpointPilot:
                                stops=self._stops, step_now=lambda: self.step)
             self.run_id, self.remote, self.store = parts.run_id, parts.remote, parts.store
             self.memory, self.peers, self.scheduler = parts.memory, parts.peers, parts.scheduler
-            self._pool, self._catalog, self._writer = parts.pool, parts.catalog, parts.writer
+            self._catalog, self._writer = parts.catalog, parts.writer
             self._telemetry, self._heartbeat, self._health = (parts.telemetry, parts.heartbeat,
                                                               parts.health)
             self._lifecycle, self._rollback, self._agreement = (parts.lifecycle, parts.rollback,
                                                                 parts.agreement)
-            self._restorer, self._steps, self._sharded = parts.restorer, parts.steps, parts.sharded
-            self._copier = parts.copier
+            self._restorer, self._steps, self._state = parts.restorer, parts.steps, parts.state
             self._preemption, self._watchdog = parts.preemption, parts.watchdog
             self._hook = (optimizer.register_step_post_hook(self._after_optimizer_step)
                           if optimizer is not None else None)
@@ -251,15 +249,10 @@ class CheckpointPilot:
     def _save(self, intent: SaveIntent) -> bool:
         if self._last_save_step == self.step:
             return False
-        if self._sharded is not None:
-            stall = self._sharded.save(intent, step=self.step, epoch=self._current_epoch(),
-                                       extras=self.extras)
-        else:
-            with self._watchdog.suspended():  # back-pressure: a wait on our own writer
-                stall = self._writer.capture_and_submit(lambda: capture(
-                    self.components, step=self.step, epoch=self._current_epoch(),
-                    extras=self.extras, rank=self.rank, world_size=self.world_size,
-                    pool=self._pool, copier=self._copier), plan_save(intent, self.policy))
+        with self._watchdog.suspended():  # back-pressure: a wait on our own writer
+            stall = self._writer.capture_and_submit(lambda: self._state.capture(
+                step=self.step, epoch=self._current_epoch(), extras=self.extras),
+                self._state.plan(intent))
         self._steps.note_stall(stall)
         self._last_save_step = self.step
         return True
@@ -303,8 +296,7 @@ class CheckpointPilot:
 
     def _restore(self, step: int | None, before: int | None = None) -> int | None:
         t0 = time.perf_counter()
-        restored = (self._sharded or self._restorer).restore(step, self._apply, before=before,
-                                                             prepare=self.flush)
+        restored = self._restorer.restore(step, self._apply, before=before, prepare=self.flush)
         if restored is None:
             return None
         read, lifecycle = restored.read, before is None  # a rollback is no interruption
@@ -330,8 +322,7 @@ class CheckpointPilot:
         return restored.step
 
     def _apply(self, read: Read) -> None:
-        restored_extras = (apply if self._sharded is None else self._sharded.apply)(
-            self.components, read.meta, read.get_tensor)
+        restored_extras = self._state.apply(self.components, read.meta, read.get_tensor)
         self.extras.clear()
         self.extras.update(restored_extras)
         self.epoch = read.meta.get("epoch")

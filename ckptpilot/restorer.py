@@ -14,7 +14,11 @@ whatever its row says or when it has none: remote archives without a row are exc
 their own labels' ``branch``, every read is checked again on its state's. It also repairs
 what a killed writer left in a durable tier (unfinished saves, rows still ``pending``) and
 condemns copies that fail verification. It names no concrete tier: what differs between
-sources comes from their capabilities and the protocols they implement.
+sources comes from their capabilities and the protocols they implement. A durable tier that
+is :class:`~ckptpilot.tiers.base.Collective` (the sharded tier: one DCP checkpoint of every
+rank per step, opened by every rank together) is walked by the same loop; its rows are every
+rank's, so the first rank settles them before any rank lists, and the candidates, the
+condemnations and the abandoned rows come from every rank's rows (``shared_rows``).
 
 It must not change the live run beyond ``apply``: what a restore means for the step
 counters, the scheduler, the ledger and the data cursor is the pilot's. Threading: the
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ckptpilot import shared_rows
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.catalog import Catalog, Pin
 from ckptpilot.errors import (
@@ -41,7 +46,7 @@ from ckptpilot.errors import (
     NoCheckpointError,
 )
 from ckptpilot.storage.lineage import Lineage
-from ckptpilot.tiers.base import CheckpointTier, OpenedImage, Survey, Surveyed
+from ckptpilot.tiers.base import CheckpointTier, Collective, OpenedImage, Survey, Surveyed
 from ckptpilot.validation.recovery import Candidate, RecoveryPlan, plan_recovery
 from ckptpilot.vocab import Level, RecoverySource, Status
 
@@ -139,6 +144,8 @@ class Restorer:
         self._durable_tier: CheckpointTier = surveyed[0]
         self._agreement = agreement
         self._lineage: Lineage | None = None  # of the restore being planned; None: forced
+        # One image of every rank (a DCP checkpoint): its rows are every rank's.
+        self._shared = isinstance(self._durable_tier, Collective)
 
     def restore(self, step: int | None, apply: Callable[[Read], None], *,
                 before: int | None = None,
@@ -159,7 +166,19 @@ class Restorer:
         try:
             if prepare is not None:
                 prepare()
-            plan = self._plan(step, before)
+            if self._shared and self._rank == 0:
+                shared_rows.settle(self._catalog, self._durable_tier, self._durable,
+                                   self._survey()[0])
+        except BaseException as e:
+            if agreement is None:
+                raise
+            failure = e
+        if self._shared and agreement is not None:  # every rank lists once the first settled
+            agreement.raise_if_failed(agreement.vote(-1 if failure is not None else 1),
+                                      failure, "preparing the restore")
+        try:
+            if failure is None:
+                plan = self._plan(step, before)
         except BaseException as e:
             if agreement is None:
                 raise
@@ -195,6 +214,8 @@ class Restorer:
             if read is None:
                 continue
             skipped += [m for s, m in plan.missing if s > target]
+            if self._shared:
+                self._after_shared(target, read)
             return Restored(target, read, tuple(skipped), plan.pin)
         skipped += [m for _, m in plan.missing]
         if before is not None:
@@ -218,7 +239,10 @@ class Restorer:
             log.warning("restoring step %d as pinned by `ckptpilot recover`%s", step,
                         " --force" if forced else "")
         self._lineage = None if forced else self._catalog.lineage()
-        candidates, missing, digests = self._durable_candidates(self._lineage)
+        if self._shared:
+            candidates, missing, digests = self._shared_candidates(self._lineage)
+        else:
+            candidates, missing, digests = self._durable_candidates(self._lineage)
         if before is not None:
             candidates = [c for c in candidates if c.step < before]
             missing = [(s, m) for s, m in missing if s < before]
@@ -300,7 +324,8 @@ class Restorer:
         """Raise ``_Abandoned`` for a read of an abandoned continuation (the state says which
         continuation it was saved on): a row or a peer listing may still offer one, e.g.
         when a kill fell between recording a fork and expiring the rows."""
-        if self._lineage is not None:
+        if self._lineage is not None and read.meta.get("rank", self._rank) == self._rank:
+            # (Another rank's state, read on a world-size change, is on that rank's lineage.)
             why = self._lineage.why_abandoned(read.meta.get("branch"), int(read.meta["step"]))
             if why is not None:
                 raise _Abandoned(why)
@@ -339,9 +364,55 @@ class Restorer:
     def _condemn(self, tier: CheckpointTier, step: int, error: BaseException) -> None:
         """A copy that failed on restore is condemned in its row; on a durable tier only for
         wrong bytes: an I/O error may pass (a flaky mount) and must not condemn a good
-        checkpoint to the next prune. (The keeper has no rows: nothing to condemn.)"""
-        if isinstance(error, CheckpointFormatError) or not tier.capabilities.durable:
+        checkpoint to the next prune. (The keeper has no rows: nothing to condemn.) A
+        checkpoint of every rank is condemned in every rank's row."""
+        if self._shared and tier is self._durable_tier:
+            if isinstance(error, CheckpointFormatError):
+                shared_rows.condemn_every_rank(self._catalog, tier, self._durable, step, error)
+        elif isinstance(error, CheckpointFormatError) or not tier.capabilities.durable:
             self._catalog.condemn(step, tier.kind, error)
+
+    def _survey(self) -> tuple[Survey, str | None]:
+        """The durable tier's listing (empty, and why, when it cannot be listed), the
+        unfinished saves it holds removed."""
+        durable, tier = self._durable, self._durable_tier
+        try:
+            survey = durable.survey()
+        except OSError as e:
+            log.warning("cannot list %s: %s", tier.where, e)
+            return Survey(published={}, unfinished=[]), str(e)
+        for debris in survey.unfinished:
+            log.warning("removing %s: a save that never finished (writer killed)", debris)
+            try:
+                durable.clear(debris)
+            except OSError as e:
+                log.warning("cannot remove %s: %s", debris, e)
+        return survey, None
+
+    def _shared_candidates(self, lineage: Lineage | None
+                           ) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
+                                      dict[int, str]]:
+        """:meth:`_durable_candidates` for a tier whose images are every rank's: from every
+        rank's rows (``shared_rows``), the same on every rank."""
+        survey, unlisted = self._survey()
+        found, missing, digests = shared_rows.candidates(
+            self._catalog, self._durable_tier, self._durable, survey, lineage)
+        skipped = [(step, SkippedCheckpoint(where, f"cannot list {self._durable.url}: "
+                                                   f"{unlisted}" if unlisted else why))
+                   for step, where, why in sorted(missing, reverse=True)]
+        if unlisted is not None and not skipped:
+            skipped.append((_ALWAYS_REPORTED, SkippedCheckpoint(
+                self._durable.url, f"cannot list {self._durable_tier.where}: {unlisted}")))
+        return found, skipped, digests
+
+    def _after_shared(self, step: int, read: Read) -> None:
+        saved = read.meta.get("world_size")
+        if saved != self._world_size:
+            log.warning("step %d was saved by %s ranks and this run has %d: resharded from "
+                        "%s; rank-local tiers (memory, peer) are never trusted across a "
+                        "world-size change", step, saved, self._world_size, read.location)
+        shared_rows.abandon_beyond(self._catalog, self._durable_tier, self._durable, step,
+                                   self._world_size)
 
     def _durable_candidates(self, lineage: Lineage | None
                             ) -> tuple[list[Candidate], list[tuple[int, SkippedCheckpoint]],
@@ -354,19 +425,7 @@ class Restorer:
         is told). Repairs the traces a killed writer left (unfinished saves, rows still
         ``pending``). Also returns the digest each step's row recorded."""
         durable, tier = self._durable, self._durable_tier
-        try:
-            survey = durable.survey()
-        except OSError as e:
-            log.warning("cannot list %s: %s", tier.where, e)
-            survey, unlisted = Survey(published={}, unfinished=[]), str(e)
-        else:
-            unlisted = None
-        for debris in survey.unfinished:
-            log.warning("removing %s: a save that never finished (writer killed)", debris)
-            try:
-                durable.clear(debris)
-            except OSError as e:
-                log.warning("cannot remove %s: %s", debris, e)
+        survey, unlisted = self._survey()
         published = survey.published
         # Only this pilot's own images: a ``ckptpilot.dcp`` checkpoint in the same run
         # directory has rows of its own layout, which this restore does not read.

@@ -133,16 +133,17 @@ def test_storage_is_below_the_tiers() -> None:
 
 def test_the_remote_tier_lives_in_one_folder() -> None:
     """Every module of the remote tier is under ``tiers/remote/``; nothing else in ``tiers/``
-    but the protocol, the memory tier and the peer tier."""
+    but the protocol, the memory tier, the peer tier and the sharded (DCP) tier."""
     assert {"ckptpilot.tiers.remote.store", "ckptpilot.tiers.remote.archive",
             "ckptpilot.tiers.remote.tier", "ckptpilot.tiers.remote.entries"} <= set(MODULES)
     flat = {name for name in MODULES if name.count(".") == 2 and name.startswith(
         "ckptpilot.tiers.")}
     assert flat == {"ckptpilot.tiers.base", "ckptpilot.tiers.memory", "ckptpilot.tiers.peer",
-                    "ckptpilot.tiers.remote"}, flat
+                    "ckptpilot.tiers.remote", "ckptpilot.tiers.sharded"}, flat
 
 
-CONCRETE_TIERS = ("ckptpilot.tiers.memory", "ckptpilot.tiers.peer", "ckptpilot.tiers.remote")
+CONCRETE_TIERS = ("ckptpilot.tiers.memory", "ckptpilot.tiers.peer", "ckptpilot.tiers.remote",
+                  "ckptpilot.tiers.sharded")
 """The concrete tiers: everything in ``tiers/`` but the protocol (``tiers.base``)."""
 
 OPENS_A_CONCRETE_TIER = {
@@ -153,7 +154,6 @@ OPENS_A_CONCRETE_TIER = {
     "ckptpilot.validation.postwrite": "the remote tier's validator: checks a staged archive",
     "ckptpilot.validation.loadcheck": "the load test reads a staged archive's files",
     "ckptpilot.dcp": "DCP's storage reader/writer over the remote store (not tier images)",
-    "ckptpilot.sharded.restore": "the sharded (DCP) restore opens the remote store",
     "ckptpilot.fit": "the fault-injection campaign damages and forges the tiers directly",
 }
 """The modules above ``tiers/`` that may import a concrete tier, and why: each one operates
@@ -183,8 +183,8 @@ def test_no_module_above_the_tiers_imports_a_concrete_tier_but_the_listed_ones()
 def test_the_conformance_suite_builds_its_tiers_as_the_assembly_does() -> None:
     """The suite certifies the objects training uses: it builds every concrete tier through
     ``ckptpilot.assembly``'s factories, never with a tier class's own constructor."""
-    classes = {"MemoryTier", "PeerCheckpointTier", "RemoteCheckpointTier"}
-    factories = {"memory_tier", "peer_tier", "remote_tier"}
+    classes = {"MemoryTier", "PeerCheckpointTier", "RemoteCheckpointTier", "ShardedTier"}
+    factories = {"memory_tier", "peer_tier", "remote_tier", "sharded_tier"}
     used: set[str] = set()
     for path in (PACKAGE.parent / "tests" / "tiers").glob("*.py"):
         tree = ast.parse(path.read_text())
@@ -207,3 +207,27 @@ def test_the_conformance_suite_builds_its_tiers_as_the_assembly_does() -> None:
             assert len(calls & classes) == 1, function.name
         else:  # the pilot's parts come from the same factories as the suite's tiers
             assert not calls & classes, f"assembly.{function.name} builds {calls & classes}"
+
+
+def test_the_pilot_has_no_sharded_branch() -> None:
+    """Replicated or sharded is chosen once, in the assembly (``StateHandling``, the tier
+    list, the restorer): the pilot's save and restore are one path for both (issue 25)."""
+    source = (PACKAGE / "pilot.py").read_text()
+    assert "sharded" not in source.lower(), "ckptpilot/pilot.py mentions sharded state"
+    assert not any(d.startswith(("ckptpilot.capture.sharded", "ckptpilot.tiers.sharded",
+                                 "ckptpilot.sharded")) for d in GRAPH["ckptpilot.pilot"])
+
+
+def test_the_sharded_save_is_a_tier_behind_the_writers_loop() -> None:
+    """No second writer: the sharded state's parts are a capture (``capture/sharded.py``)
+    and a DCP-backed tier (``tiers/sharded/``); nothing but the writer calls its internals."""
+    assert "ckptpilot.sharded" not in MODULES and not (PACKAGE / "sharded").exists()
+    assert {"ckptpilot.capture.sharded", "ckptpilot.tiers.sharded.tier"} <= set(MODULES)
+    internals = ("acquire_slot", "release_slot", "run_after", "make_room", "refuse",
+                 "retain", "saves.append")
+    for name, path in MODULES.items():
+        if name.startswith(("ckptpilot.save.", "ckptpilot.guards.")) or name in TOP:
+            continue
+        text = path.read_text()
+        used = [f for f in internals if f"writer.{f}(" in text or f"_writer.{f}" in text]
+        assert used == [], f"{name} drives the writer's internals: {used}"

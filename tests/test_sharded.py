@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ckptpilot import CheckpointPilot
 from ckptpilot.assembly import remote_tier
+from ckptpilot.capture.sharded import resume_cursor
 from ckptpilot.catalog import Catalog
 from ckptpilot.dcp import dcp_name
 from ckptpilot.dcp.storage import read_manifest
@@ -43,10 +44,9 @@ from ckptpilot.errors import StateError
 from ckptpilot.restorer import Read, Restorer
 from ckptpilot.rundir import read_run_id
 from ckptpilot.sampler import ResumableSampler
-from ckptpilot.sharded import resume_cursor
 from ckptpilot.storage.metadata import MetadataStore
 from ckptpilot.tiers.remote.store import RemoteTier
-from ckptpilot.vocab import RecoverySource, Status
+from ckptpilot.vocab import Level, RecoverySource, RetentionClass, Status
 
 SAVED_WORLD = 4
 SAMPLES, SEED, BATCH = 50, 3, 2  # 50 samples: epoch 0 ends inside a step of 4 or 3 ranks
@@ -594,3 +594,35 @@ def test_the_disk_budget_prunes_for_sharded_saves_and_refuses_on_every_rank_toge
             assert ("retention.max_bytes 1048576" if entry.details["rank"] == 0
                     else "rank 0's log says why") in entry.details["reason"]
         assert store.rows(read_run_id(tight / "run")) == []
+
+
+# -- the sharded tier's own validation (no processes) -------------------------------------------
+
+
+def test_the_paranoid_read_back_refuses_a_part_damaged_after_its_write_and_publishes_nothing(
+        tmp_path: Path) -> None:
+    from ckptpilot.assembly import sharded_tier
+    from ckptpilot.policy import Policy
+    from ckptpilot.tiers.base import CheckpointImage
+
+    policy = Policy().with_run_dir(tmp_path / "run")
+    policy = policy.model_copy(update={"validation": policy.validation.model_copy(
+        update={"paranoid": True, "sha256": True})})
+    tier = sharded_tier(policy, RemoteTier(f"file://{tmp_path}/dcp"), rank=0, world_size=1,
+                        group=None)
+    weight = torch.arange(64, dtype=torch.float32)
+    image = CheckpointImage.copied(5, {"step": 5, "rank": 0, "world_size": 1},
+                                   {"model/w": weight}, level=Level.ORGAN, reason="test",
+                                   retention_class=RetentionClass.ROUTINE, score=None)
+    staged = tier.stage(image)
+    assert staged.location.rsplit("/", 1)[-1].startswith(dcp_name(5) + ".staging-")
+    data = Path(staged.location.removeprefix("file://")) / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0x01  # inside the last item's bytes
+    data.write_bytes(raw)
+    check = tier.validate(staged)
+    assert not check.ok and "read back after writing" in check.reason
+    assert "SHA256 mismatch" in check.reason and check.seconds is not None
+    aside = tier.abort(staged, check.reason)
+    assert aside is not None and f"{dcp_name(5)}.corrupted-" in aside
+    assert tier.steps() == [] and not data.exists()

@@ -105,6 +105,10 @@ class Snapshot:
     ``fence``: the device-to-host copies still filling the arena (None when none are: every
     capture without a copier, every CPU capture). Whoever reads ``tensors`` or ``arena`` first
     calls ``fence.wait()``; the pilot's writer does, before anything else.
+
+    ``sharded``: a sharded state (``capture.sharded``): ``tensors`` hold DTensors over host
+    buffers, each rank's part of the global tensors, laid out by DCP rather than in an arena
+    (``arena`` None); ``nbytes`` counts this rank's part.
     """
 
     step: int
@@ -112,16 +116,28 @@ class Snapshot:
     meta: dict[str, Any]
     arena: torch.Tensor | None = None
     fence: CopyFence | None = None
+    sharded: bool = False
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        self.nbytes = local_nbytes(self.tensors)
 
     @property
     def layout(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         """(name, dtype, shape) in arena order: two snapshots with equal layouts have arenas
         that are byte-for-byte comparable."""
         return tuple((k, t.dtype, tuple(t.shape)) for k, t in self.tensors.items())
+
+
+def local_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """The bytes of ``tensors`` this process holds: a DTensor's local part, not the global
+    tensor (``to_local``, looked up by name: a dense run never imports DTensor)."""
+    total = 0
+    for t in tensors.values():
+        to_local = getattr(t, "to_local", None)
+        local = to_local() if to_local is not None else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 class BufferSource(Protocol):
@@ -186,7 +202,7 @@ class HostBufferPool:
 
     def give_back(self, snapshot: Snapshot) -> None:
         """Return a snapshot whose contents nobody needs any more; its buffers get reused."""
-        if snapshot.arena is None:
+        if snapshot.arena is None and not snapshot.sharded:
             return
         with self._lock:
             if len(self._sets) < self._max_sets and all(s is not snapshot for s in self._sets):

@@ -78,13 +78,14 @@ class Reader(StorageReader):
     directory, or a resolved :class:`~ckptpilot.policy.Policy`); see the module docstring.
 
     ``skipped`` lists (step, why) for every newer checkpoint passed over by ``step=None``.
+    ``remote``: the store to read, when not ``tiers.remote`` of the policy (a tier's own).
     """
 
     def __init__(self, target: Policy | str | os.PathLike[str], *,
-                 step: int | None = None) -> None:
+                 step: int | None = None, remote: RemoteTier | None = None) -> None:
         super().__init__()
         self.policy = resolve_policy(target)
-        self.remote = remote_of(self.policy)
+        self.remote = remote_of(self.policy) if remote is None else remote
         self.skipped: list[tuple[int, str]] = []
         recorded = recorded_rows(self.policy)
         self.step = self._newest(recorded) if step is None else step

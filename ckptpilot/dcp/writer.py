@@ -22,6 +22,17 @@ Lifecycle (DCP calls it in this order; one Writer per rank, one step per Writer)
    commit file means unfinished, and the rows stay ``pending``. One killed after it leaves a
    published checkpoint with ``pending`` rows, which ``ckptpilot validate`` settles.
 
+Driven by a tier (``on_written`` given: the DCP-backed sharded tier,
+``ckptpilot.tiers.sharded``) the same writer stops short of the publication, because there
+the pilot's writer owns the rows and the two phases: ``prepare_global_plan`` retires no row
+(the pilot's writer did, each rank its own), ``write_data`` records no row but hands the
+rank's :class:`WrittenPart` to ``on_written`` (the pilot records it ``pending`` there, while
+the collective still runs, so that a rank killed before it ends leaves its row, as a killed
+save of any tier does), the read-back is the tier's validation, and ``finish`` writes DCP's
+``.metadata`` and builds the commit file without writing it: :meth:`Writer.commit` (the
+tier's ``publish``) writes it and publishes, :meth:`Writer.set_aside` (its ``abort``) keeps
+the staging directory for inspection instead.
+
 The policy's other checks (``validation.load_test``: a worker process decoding the archive
 and comparing it with the live model) are the pilot's and are not run here: the read-back
 re-hash is what stands between a bad write and a ``valid`` row.
@@ -54,7 +65,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,10 +97,10 @@ from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.policy import Policy
 from ckptpilot.rundir import metadata_path, run_identity
 from ckptpilot.storage.metadata import MetadataStore
-from ckptpilot.tiers.remote.store import HashingWriter
+from ckptpilot.tiers.remote.store import HashingWriter, RemoteTier
 from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Tier
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "WrittenPart"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,26 @@ class _Target:
 
     staging: str
     file: str
+
+
+@dataclass(frozen=True)
+class WrittenPart:
+    """One rank's part of a save, written and hashed, not yet published: what its
+    ``pending`` row records. ``location``: the staging directory; ``file``: the rank's data
+    file relative to the tier's root (None: the rank had no items); ``sha256``: the part's
+    digest (``dcp.format.part_digests``), which the commit file records for the rank."""
+
+    step: int
+    rank: int
+    location: str
+    file: str | None
+    sha256: str
+    bytes_raw: int
+    bytes_encoded: int
+    codec: str
+    resolve_seconds: float
+    write_seconds: float
+    items: Mapping[MetadataIndex, ItemRecord]
 
 
 class _ItemStream:
@@ -154,25 +185,31 @@ class Writer(StorageWriter):
 
     ``reason``, ``retention_class`` and ``score`` go to every rank's row and the commit
     file, as the pilot's saves record theirs (``ckptpilot prune`` keeps by them). The level
-    is ``organ`` with codecs off and ``pulse`` with them (``vocab.Level``).
+    is ``level``, by default ``organ`` with codecs off and ``pulse`` with them
+    (``vocab.Level``). ``on_written``: driven by a tier (module docstring); ``remote``: the
+    store to write to, when not ``tiers.remote`` of the policy (the tier's own).
     """
 
     def __init__(self, target: Policy | str | os.PathLike[str], *, step: int,
                  codecs: bool = False, reason: str = "dcp.save",
                  retention_class: RetentionClass | str = RetentionClass.ROUTINE,
                  score: float | None = None,
-                 codec_selector: CodecSelector | None = None) -> None:
+                 codec_selector: CodecSelector | None = None,
+                 on_written: Callable[[WrittenPart], None] | None = None,
+                 level: Level | None = None, remote: RemoteTier | None = None) -> None:
         super().__init__()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step: expected a non-negative int, got {step!r}")
         self.policy = resolve_policy(target)
         self.step = step
         self.codecs = codecs
-        self.intent = SaveIntent(level=(Level.PULSE if codecs else Level.ORGAN).value,
+        if level is None:
+            level = Level.PULSE if codecs else Level.ORGAN
+        self.intent = SaveIntent(level=level.value,
                                  reason=reason,
                                  retention_class=RetentionClass(retention_class).value,
                                  score=score)
-        self.remote = remote_of(self.policy)
+        self.remote = remote_of(self.policy) if remote is None else remote
         self.name = dcp_name(step)
         self.save_id = uuid.uuid4().hex
         self._run_dir = Path(self.policy.run_dir)
@@ -183,6 +220,9 @@ class Writer(StorageWriter):
         # ``codecs`` on (``_selector`` stays None otherwise: plain DCP items).
         self._run_selector = codec_selector
         self._selector: CodecSelector | None = None
+        self._on_written = on_written
+        self.is_coordinator = False  # the rank that finishes and commits (DCP says which)
+        self._commit: bytes | None = None  # the commit file finish() built, for commit()
 
     # -- StorageWriter ----------------------------------------------------------------------
 
@@ -198,16 +238,18 @@ class Writer(StorageWriter):
             raise ValueError("ckptpilot.dcp.Writer needs use_collectives=True: one commit "
                              "file publishes every rank's part at once")
         self._rank = int(kwargs.get("rank", 0))
+        self.is_coordinator = is_coordinator
         self._staging = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._run_dir.mkdir(parents=True, exist_ok=True)
-        run_id = run_identity(self._run_dir)
-        with MetadataStore(metadata_path(self._run_dir)) as store:
-            retire_step(store, run_id, self._run_dir, self.remote, self.step)
+        if self._on_written is None:
+            self._run_dir.mkdir(parents=True, exist_ok=True)
+            run_id = run_identity(self._run_dir)
+            with MetadataStore(metadata_path(self._run_dir)) as store:
+                retire_step(store, run_id, self._run_dir, self.remote, self.step)
         self._staging = self.remote.new_staging(self.name)
         return [dataclasses.replace(plan, storage_data=_Target(self._staging,
                                                                f"__{i}_0.distcp"))
@@ -239,19 +281,18 @@ class Writer(StorageWriter):
                         bytes_raw += data.numel() * data.element_size()
                     resolve_seconds += time.perf_counter() - t
                     items[item.index] = self._write_item(out, item, data, target.file, codecs)
-        write_seconds = time.perf_counter() - t0 - resolve_seconds
-        digest = part_digests(items).get(self._rank, empty_part_digest())
-        run_id = run_identity(self._run_dir)
-        with MetadataStore(metadata_path(self._run_dir)) as store:
-            catalog = Catalog(store, run_id, self._rank, self._run_dir)
-            key = catalog.record_pending(
-                self.step, Tier.REMOTE, self.intent, location=self.remote.path(target.staging),
-                sha256=digest, bytes_raw=bytes_raw, seconds_snapshot=resolve_seconds,
-                codec=",".join(f"{c}:{n}" for c, n in sorted(codecs.items())) or "raw",
-                bytes_encoded=sum(r.nbytes for r in items.values()),
-                seconds_write=write_seconds)
-            if items and self.policy.validation.sha256 and self.policy.validation.paranoid:
-                self._check_written(store, key, rel, items)
+        part = WrittenPart(
+            step=self.step, rank=self._rank, location=self.remote.path(target.staging),
+            file=rel if items else None,
+            sha256=part_digests(items).get(self._rank, empty_part_digest()),
+            bytes_raw=bytes_raw, bytes_encoded=sum(r.nbytes for r in items.values()),
+            codec=",".join(f"{c}:{n}" for c, n in sorted(codecs.items())) or "raw",
+            resolve_seconds=resolve_seconds,
+            write_seconds=time.perf_counter() - t0 - resolve_seconds, items=items)
+        if self._on_written is not None:
+            self._on_written(part)
+        else:
+            self._record(part)
         results = [WriteResult(index=index, size_in_bytes=rec.nbytes, storage_data=rec)
                    for index, rec in items.items()]
         done: Future[list[WriteResult]] = Future()
@@ -278,18 +319,37 @@ class Writer(StorageWriter):
             reason=self.intent.reason, retention_class=self.intent.retention_class,
             score=self.intent.score, created_unix=time.time(), codecs=self.codecs,
             metadata=metadata, items=items, metadata_file=metadata_file)
-        commit = encode_manifest(manifest)
-        if tier.renames:
-            tier.write_file(f"{staging}/{MANIFEST_FILE}", [commit])
-            tier.publish(staging, self.name)
-        else:  # an object store: the commit file's PUT is the publication
-            tier.write_file(f"{self.name}/{MANIFEST_FILE}", [commit])
+        self._commit = encode_manifest(manifest)
+        if self._on_written is not None:
+            return  # the tier's publish commits, once every rank's part is validated
+        self.commit()
         run_id = run_identity(self._run_dir)
         with MetadataStore(metadata_path(self._run_dir)) as store:
             moves = Moves(store)
             for rank in range(len(results)):
                 moves.publish(CheckpointKey(run_id, self.step, rank, Tier.REMOTE),
                               location=tier.path(self.name))
+
+    def commit(self) -> None:
+        """(coordinator, after ``finish``) Write the commit file last and publish the
+        checkpoint: locally the staging directory's rename, on an object store the commit
+        file's PUT."""
+        if self._commit is None or self._staging is None:
+            raise RuntimeError(f"{self.name}: commit() before finish(): nothing to publish")
+        tier, staging = self.remote, self._staging
+        if tier.renames:
+            tier.write_file(f"{staging}/{MANIFEST_FILE}", [self._commit])
+            tier.publish(staging, self.name)
+        else:  # an object store: the commit file's PUT is the publication
+            tier.write_file(f"{self.name}/{MANIFEST_FILE}", [self._commit])
+
+    def set_aside(self, why: str) -> str | None:
+        """(coordinator, instead of ``commit``) Keep the unpublished staging directory for
+        inspection under a name no listing takes; where it went (None: nothing staged)."""
+        if self._staging is None or not self.remote.exists(self._staging):
+            return None
+        return self.remote.path(self.remote.set_aside(self._staging, why,
+                                                      label=self.name))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
@@ -352,18 +412,35 @@ class Writer(StorageWriter):
                               ) from None
         return canonical(encode_value(value, item))
 
-    def _check_written(self, store: MetadataStore, key: CheckpointKey, rel: str,
-                       items: Mapping[MetadataIndex, ItemRecord]) -> None:
-        """Read the rank's file back from storage and check every item's SHA256 before the
-        part may count (``validation.paranoid``); a mismatch marks the row corrupted."""
-        t0 = time.perf_counter()
-        location = self.remote.path(rel.rsplit("/", 1)[0])
-        try:
-            with self.remote.open_read(rel) as f:
-                for index, rec in sorted(items.items(), key=lambda kv: kv[1].at):
-                    read_item(f, rec, index, location)
-        except CheckpointFormatError as e:
-            Moves(store).condemn(key, f"read back after writing: {e}",
-                                 seconds_validate=time.perf_counter() - t0)
-            raise
-        Moves(store).record_check(key, seconds_validate=time.perf_counter() - t0)
+    def _record(self, part: WrittenPart) -> None:
+        """(standalone) The rank's row, ``pending``; in the paranoid mode (``validation.paranoid``
+        and ``sha256``) the part read back first, a mismatch marking the row corrupted and
+        failing the save."""
+        run_id = run_identity(self._run_dir)
+        with MetadataStore(metadata_path(self._run_dir)) as store:
+            catalog = Catalog(store, run_id, self._rank, self._run_dir)
+            key = catalog.record_pending(
+                self.step, Tier.REMOTE, self.intent, location=part.location,
+                sha256=part.sha256, bytes_raw=part.bytes_raw,
+                seconds_snapshot=part.resolve_seconds, codec=part.codec,
+                bytes_encoded=part.bytes_encoded, seconds_write=part.write_seconds)
+            if part.file is not None and self.policy.validation.sha256 \
+                    and self.policy.validation.paranoid:
+                t0 = time.perf_counter()
+                try:
+                    read_back(self.remote, part)
+                except CheckpointFormatError as e:
+                    Moves(store).condemn(key, f"read back after writing: {e}",
+                                         seconds_validate=time.perf_counter() - t0)
+                    raise
+                Moves(store).record_check(key, seconds_validate=time.perf_counter() - t0)
+
+
+def read_back(remote: RemoteTier, part: WrittenPart) -> None:
+    """Read a rank's file back from storage and check every item's SHA256 (the paranoid
+    validation); raises ``CheckpointFormatError`` naming the item at fault."""
+    if part.file is None:
+        return
+    with remote.open_read(part.file) as f:
+        for index, rec in sorted(part.items.items(), key=lambda kv: kv[1].at):
+            read_item(f, rec, index, part.location)

@@ -41,14 +41,17 @@ class SavePlan:
     fsync: bool = True
 
 
-def plan_save(intent: SaveIntent, policy: Policy) -> SavePlan:
-    """The plan for ``intent`` under ``policy`` (see the module docstring for the rules)."""
+def plan_save(intent: SaveIntent, policy: Policy, *, rank_local: bool = True) -> SavePlan:
+    """The plan for ``intent`` under ``policy`` (see the module docstring for the rules).
+    ``rank_local``: whether one rank's tiers (memory, peer) can hold this run's state; a
+    state no rank holds alone (a sharded one: every rank's part makes one DCP checkpoint)
+    goes to the remote tier only, whatever the policy enables."""
     pulse = intent.level == Level.PULSE.value
     tiers: tuple[Tier, ...] = (Tier.REMOTE,)
     fallback = None
-    if policy.tiers.peer.enabled:
+    if policy.tiers.peer.enabled and rank_local:
         tiers = (Tier.PEER,) if pulse else (Tier.PEER, Tier.REMOTE)
         fallback = Tier.REMOTE if pulse else None
     return SavePlan(intent=intent, tiers=tiers, fallback=fallback, codecs=pulse,
-                    keep_in_memory=policy.tiers.memory.enabled,
+                    keep_in_memory=policy.tiers.memory.enabled and rank_local,
                     fsync=not pulse or policy.levels.pulse.fsync)

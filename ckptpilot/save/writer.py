@@ -12,8 +12,11 @@ capabilities, never their names: a durable tier's save first makes room in the d
 a tier that folds deltas gets the keeper's image of its previous step as the base; a tier
 that keeps no older image supersedes their rows once it commits; a tier that is not durable
 may fail a save, which then goes to the plan's fallback (the durable tier's failure is the
-run's error). A valid save then stays in the keeper (the memory tier, through the same
-protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
+run's error); a :class:`~ckptpilot.tiers.base.Collective` tier (the sharded tier: one DCP
+checkpoint of every rank) is refused by every rank when the first rank's disk budget
+refuses it, and records its ``pending`` row from inside its stage
+(``StageOptions.written``). A valid save then stays in the keeper (the memory tier, through
+the same protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
 snapshots exist at once (:meth:`acquire_slot` waits for one).
 
 An exception in a job is kept and raised on the training thread by :meth:`raise_errors` as
@@ -47,8 +50,15 @@ from ckptpilot.errors import CheckpointWriteError, CkptPilotError
 from ckptpilot.retention.auto import AutoPruner, DiskBudgetError
 from ckptpilot.save.plan import SavePlan
 from ckptpilot.telemetry import Telemetry
-from ckptpilot.tiers.base import BaseKeeper, CheckpointImage, CheckpointTier, StageOptions
-from ckptpilot.vocab import Level, RetentionClass, Status, Tier
+from ckptpilot.tiers.base import (
+    BaseKeeper,
+    CheckpointImage,
+    CheckpointTier,
+    Collective,
+    Staged,
+    StageOptions,
+)
+from ckptpilot.vocab import CheckpointKey, Level, RetentionClass, Status, Tier
 
 __all__ = ["CheckpointWriter", "SaveRecord"]
 
@@ -296,9 +306,8 @@ class CheckpointWriter:
         return None
 
     def retain(self) -> None:
-        """(writer thread) Retention after a published save (``retention.auto``; also called
-        by the sharded path after its DCP saves); a failure is logged and retried by the next
-        one: a checkpoint kept too long is no loss."""
+        """(writer thread) Retention after a published save (``retention.auto``); a failure
+        is logged and retried by the next one: a checkpoint kept too long is no loss."""
         if self._pruner is None or not self._pruner.auto:
             return
         try:
@@ -318,7 +327,7 @@ class CheckpointWriter:
                              f"has {sorted(t.value for t in self._tiers)}")
         t0 = time.perf_counter()
         if tier.capabilities.durable:
-            refusal = self.make_room(image.step, image.nbytes)
+            refusal = self._room_for(tier, image)
             if refusal is not None:
                 raise refusal
         catalog = self._catalog
@@ -338,16 +347,42 @@ class CheckpointWriter:
             if base is not None:
                 self._pool.unpin()
 
+    def _room_for(self, tier: CheckpointTier, image: CheckpointImage) -> DiskBudgetError | None:
+        """(writer thread) The disk budget's refusal of ``image`` on a durable tier, or None.
+        A :class:`~ckptpilot.tiers.base.Collective` tier's save is refused on every rank when
+        the first rank refuses it: an error checking the budget is a refusal there (raised
+        before the others learn the answer, it would leave them waiting for ever)."""
+        collective = isinstance(tier, Collective)
+        try:
+            refusal = self.make_room(image.step, image.nbytes)
+        except (OSError, CkptPilotError, SQLAlchemyError) as e:
+            if not collective:
+                raise
+            refusal = DiskBudgetError(f"step {image.step}: the disk budget could not be "
+                                      f"checked: {e}")
+        if collective and tier.first_rank_refuses(refusal is not None) and refusal is None:
+            refusal = DiskBudgetError(f"step {image.step}: rank 0 found no room for it under "
+                                      "the disk budget (rank 0's log says why)")
+        return refusal
+
     def _two_phases(self, tier: CheckpointTier, image: CheckpointImage,
                     base: CheckpointImage | None, plan: SavePlan, stall: float,
                     t0: float) -> SaveRecord | None:
         intent, catalog, step, kind = plan.intent, self._catalog, image.step, tier.kind
-        staged = tier.stage(image, base, options=StageOptions(codecs=plan.codecs,
-                                                              fsync=plan.fsync))
-        key = catalog.record_pending(
-            step, kind, intent, location=staged.location, sha256=staged.digest,
-            bytes_raw=staged.bytes_raw, bytes_encoded=staged.bytes_stored, codec=staged.codec,
-            seconds_snapshot=stall, seconds_write=staged.write_seconds)
+        keys: list[CheckpointKey] = []
+
+        def pending(staged: Staged) -> None:
+            keys.append(catalog.record_pending(
+                step, kind, intent, location=staged.location, sha256=staged.digest,
+                bytes_raw=staged.bytes_raw, bytes_encoded=staged.bytes_stored,
+                codec=staged.codec, seconds_snapshot=stall,
+                seconds_write=staged.write_seconds))
+
+        staged = tier.stage(image, base, options=StageOptions(
+            codecs=plan.codecs, fsync=plan.fsync, written=pending))
+        if not keys:  # the tier wrote at its own pace: the row follows the stage
+            pending(staged)
+        key = keys[0]
         check = tier.validate(staged)
         if not check.ok:
             location = tier.abort(staged, check.reason) or staged.location

@@ -4,9 +4,12 @@
 An image is one rank's checkpoint at one step as the tiers see it: the snapshot's JSON-able
 ``meta``, its flat ``arena`` of bytes and the ``layout`` that cuts the arena into tensors
 (``Snapshot.layout``), plus the labels the on-disk formats record (level, reason, retention
-class, score). A tier stores and returns images; it must not interpret the meta, choose
-codecs, decide what to save or restore, or record rows: the pilot does, through this
-interface only.
+class, score); or, of a sharded state, its DTensor shards (``CheckpointImage.shards``), which
+only a :class:`Collective` tier stores (every rank's part makes one checkpoint). A tier
+stores and returns images; it must not interpret the meta, choose codecs, decide what to
+save or restore, or record rows: the pilot does, through this interface only (a stage that
+is a collective reports its written bytes through ``StageOptions.written``, for the pilot's
+row).
 
 This module owns the contract and imports no tier, so the pilot, the conformance suite
 (``tests/tiers/``) and any new tier depend on it and not on one another.
@@ -21,12 +24,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ckptpilot.capture.state import Snapshot, arena_views
+from ckptpilot.capture.state import Snapshot, arena_views, local_nbytes
 from ckptpilot.errors import CheckpointFormatError
 from ckptpilot.format.image import Layout
 from ckptpilot.vocab import Level, RetentionClass, Tier
 
-__all__ = ["PLAIN", "BaseKeeper", "Check", "CheckpointImage", "CheckpointTier", "Layout",
+__all__ = ["PLAIN", "BaseKeeper", "Check", "CheckpointImage", "CheckpointTier", "Collective",
+           "Layout",
            "OpenedImage", "PutReceipt", "StageOptions", "Staged", "Survey", "Surveyed",
            "TierCapabilities", "put_in_two_phases"]
 
@@ -39,6 +43,12 @@ class CheckpointImage:
     remote archive's manifest and the peer image's meta name them. ``source`` and
     ``bytes_read`` are set by ``get``: where the image was read from (e.g. which peer shard
     was rebuilt from parity) and how many bytes that read moved, for the restore's report.
+
+    ``shards``: the image of a sharded snapshot (``Snapshot.sharded``), whose tensors are
+    DTensors that only a DCP-backed tier can lay out (each rank writes its part of one
+    checkpoint): ``arena`` is then empty and ``layout`` ``()``. The same image type keeps the
+    writer's one loop for both kinds; a tier that cannot store shards never gets one (the
+    assembly gives a sharded run's writer the DCP-backed tier alone).
     """
 
     step: int
@@ -52,6 +62,7 @@ class CheckpointImage:
     source: str = ""
     bytes_read: int = 0
     origin: Snapshot | None = field(default=None, compare=False, repr=False)
+    shards: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, snapshot: Snapshot, *, level: Level | str = Level.ORGAN, reason: str = "",
@@ -59,7 +70,12 @@ class CheckpointImage:
            score: float | None = None) -> CheckpointImage:
         """The image of a captured snapshot, sharing its arena (no copy); ``snapshot()``
         gives that snapshot itself back (``origin``), so a tier that keeps it (the memory
-        tier) hands the snapshot pool the very set of buffers it lent."""
+        tier) hands the snapshot pool the very set of buffers it lent. A sharded snapshot's
+        image holds its tensors as ``shards``."""
+        if snapshot.sharded:
+            return cls(snapshot.step, snapshot.meta, torch.empty(0, dtype=torch.uint8), (),
+                       Level(level), reason, RetentionClass(retention_class), score,
+                       origin=snapshot, shards=snapshot.tensors)
         if snapshot.arena is None:
             raise ValueError(f"step {snapshot.step}: the snapshot has no arena; take it from "
                              "state.capture, which lays every tensor out in one")
@@ -82,11 +98,17 @@ class CheckpointImage:
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the image this rank holds (of a sharded one: its part)."""
+        if self.shards is not None:
+            return local_nbytes(self.shards)
         return int(self.arena.numel())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors as views of the arena; raises ``StateError`` when the arena and the
-        layout disagree (every tier checks this before it writes anything)."""
+        """The tensors as views of the arena (of a sharded image: its shards); raises
+        ``StateError`` when the arena and the layout disagree (every tier checks this before
+        it writes anything)."""
+        if self.shards is not None:
+            return dict(self.shards)
         return arena_views(self.arena, self.layout)
 
     def snapshot(self) -> Snapshot:
@@ -144,10 +166,18 @@ class PutReceipt:
 class StageOptions:
     """How the pilot wants one image written. ``codecs``: encode through the tier's codec
     selector where that pays at the tier's bandwidth (a tier without one ignores it);
-    ``fsync``: make the staged bytes durable before publication (a durable tier)."""
+    ``fsync``: make the staged bytes durable before publication (a durable tier).
+
+    ``written``: what the pilot does with a :class:`Staged` once its bytes are written (it
+    records the ``pending`` row). A tier calls it, once, when its bytes are written before
+    ``stage`` returns: a collective stage (the DCP-backed tier: every rank writes its part,
+    then the coordinator finishes) returns only once every rank is done, and a rank killed
+    in between must leave its ``pending`` row as a killed save of any tier does. The pilot
+    calls it after ``stage`` for a tier that did not."""
 
     codecs: bool = False
     fsync: bool = True
+    written: Callable[[Staged], None] | None = field(default=None, compare=False)
 
 
 PLAIN = StageOptions()
@@ -328,6 +358,17 @@ class Surveyed(Protocol):
     def labels(self, step: int) -> Mapping[str, Any]: ...
 
     def owns(self, location: str) -> bool: ...
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """A tier whose put is one collective of every rank (the DCP-backed sharded tier: one
+    checkpoint, each rank writing its part): a save that one rank refuses must be refused by
+    every rank before any of them starts it, or the others would wait in it for ever.
+    ``first_rank_refuses(refused)`` (collective) gives every rank the first rank's answer:
+    the first rank alone decides the disk budget."""
+
+    def first_rank_refuses(self, refused: bool) -> bool: ...
 
 
 @runtime_checkable

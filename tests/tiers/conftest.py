@@ -2,9 +2,10 @@
 tier keeps its bytes (to corrupt them) and how to make a put of it fail half-way.
 
 Every tier is built by the functions the pilot's assembly builds its own with
-(``ckptpilot.assembly.memory_tier`` / ``peer_tier`` / ``remote_tier``, the remote one with
-the default policy's post-write validator and codecs): the suite certifies the objects
-training uses (``tests/test_layout.py`` checks that it does).
+(``ckptpilot.assembly.memory_tier`` / ``peer_tier`` / ``remote_tier`` / ``sharded_tier``, the
+remote one with the default policy's post-write validator and codecs, the sharded one as a
+single process's DCP checkpoints, ``no_dist``, loading the saved tensors whole): the suite
+certifies the objects training uses (``tests/test_layout.py`` checks that it does).
 
 A test module adds tiers of its own by listing their classes in ``EXTRA_TIERS``: such a class
 is built with no arguments and corrupts its own bytes with ``corrupt(step)``.
@@ -26,8 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: peerdaem
 
 from peerdaemons import KEY, Daemon, call, revive, start, stop_all
 
-from ckptpilot.assembly import codec_selector, memory_tier, peer_tier, remote_tier
+from ckptpilot.assembly import (
+    codec_selector,
+    memory_tier,
+    peer_tier,
+    remote_tier,
+    sharded_tier,
+)
 from ckptpilot.capture.state import HostBufferPool
+from ckptpilot.dcp import dcp_name
 from ckptpilot.policy import Policy
 from ckptpilot.tiers.base import CheckpointTier, TierCapabilities
 from ckptpilot.tiers.peer import PeerTier, PeerUnavailable
@@ -127,6 +135,26 @@ def remote_memory_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Bac
     return _remote_backend(request, f"memory://{root}")
 
 
+def sharded_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """The DCP-backed tier of one process (``no_dist``): each image one DCP checkpoint."""
+    policy = Policy().with_run_dir(tmp_path / "run")
+    url = f"file://{tmp_path}/sharded"
+    codecs = codec_selector(policy)
+
+    def build(remote: RemoteTier) -> CheckpointTier:
+        return sharded_tier(policy, remote, rank=0, world_size=1, group=None, codecs=codecs)
+
+    def corrupt(t: Any, step: int) -> None:
+        path = t.remote.path(dcp_name(step), "__0_0.distcp")
+        data = t.remote.fs.cat_file(path)
+        t.remote.fs.pipe_file(path, _flip(data, len(data) - 1))  # in the last item
+
+    return Backend(lambda: build(RemoteTier(url)), corrupt,
+                   TierCapabilities(durable=True, survives_node_loss=True, folds_deltas=False,
+                                    speed=2, keeps_older=True),
+                   broken=lambda: build(_FullDisk(url)))
+
+
 @pytest.fixture(scope="session")
 def peer_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
     logs = tmp_path_factory.mktemp("tier-peer-logs")
@@ -181,6 +209,7 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], Backend]] = {
     "peer": peer_backend,
     "remote-file": remote_file_backend,
     "remote-memory": remote_memory_backend,
+    "sharded": sharded_backend,
 }
 
 
