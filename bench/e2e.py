@@ -976,7 +976,8 @@ class LoopRun:
     durable: list[float] = field(default_factory=list)  # the pilot's saves: stall + persist
     invalid: int = 0  # the pilot's saves that failed validation
     load: str = ""  # the machine's load averages when the run ended
-    step_seconds: list[float] = field(default_factory=list)  # every step, in order
+    # Every step's training alone (up to the loss), in order: what checkpointing must not slow.
+    train_seconds: list[float] = field(default_factory=list)
     first_save: int | None = None  # the step of the first save, None without one
 
 
@@ -1065,7 +1066,7 @@ def train(variant: str, sizes: Sizes, workdir: Path, exclude: Collection[int]) -
     pilot = loop_pilot(variant, workdir, sizes, components)
     construct = time.perf_counter() - t0
     saver = LoopSaver(variant, model, opt, workdir, sizes.every, pilot)
-    step_times = []
+    step_times, train_times = [], []
     value = float("nan")
     cpu0 = cpu_seconds(exclude)
     start = time.perf_counter()
@@ -1082,6 +1083,7 @@ def train(variant: str, sizes: Sizes, workdir: Path, exclude: Collection[int]) -
             loss.backward()
             opt.step()
         value = loss.item()
+        train_times.append(time.perf_counter() - t)
         saver.step(step, value, grad_norm)
         step_times.append(time.perf_counter() - t)
     saver.finish()
@@ -1091,7 +1093,7 @@ def train(variant: str, sizes: Sizes, workdir: Path, exclude: Collection[int]) -
     return LoopRun(wall, median(step_times), saver.saves, cpu, value, construct,
                    [r.stall_seconds + r.persist_seconds for r in saver.records],
                    sum(r.status.value != "valid" for r in saver.records), loadavg(),
-                   step_times, first_save(variant, sizes, saver.records))
+                   train_times, first_save(variant, sizes, saver.records))
 
 
 def first_save(variant: str, sizes: Sizes, records: Sequence[SaveRecord]) -> int | None:
