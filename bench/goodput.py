@@ -56,6 +56,7 @@ from ckptpilot.simulate.failures import (
     FailureModel,
     mtbf_seconds_for,
 )
+from ckptpilot.simulate.model import ettr_ceiling
 from ckptpilot.simulate.render import format_table, plot_sweep
 from ckptpilot.simulate.study import Row, StudySpec, compare
 from ckptpilot.simulate.validate import expected, replay, run_costs
@@ -102,9 +103,9 @@ def sweep_section(args: argparse.Namespace, profile, cluster, trace, spec) -> li
 def goal_section(sweep: Sequence[Row], profile, cluster: ClusterSpec, trace, spec) -> None:
     print(f"## 3. Goal: G = {GOAL_GPUS}, job MTBF {GOAL_MTBF_MINUTES} min, adaptive + peers "
           f"ETTR >= {GOAL_ETTR}, and its margin over Young–Daly alone\n")
-    print("| relaunch s | hang detection s | adaptive + peers | young_daly (no peers) | "
-          "margin | mean down s per failure | goal |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("| relaunch s | hang detection s | ceiling (free checkpoints) | adaptive + peers | "
+          "young_daly (no peers) | margin | mean down s per failure | goal |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     variants = [(cluster.relaunch_seconds, cluster.hang_detect_seconds), (60.0, 60.0),
                 (30.0, 60.0), (10.0, 30.0)]
     for relaunch, hang in variants:
@@ -114,11 +115,16 @@ def goal_section(sweep: Sequence[Row], profile, cluster: ClusterSpec, trace, spe
             spec))
         rows = [r for r in rows if r.mtbf_seconds == GOAL_MTBF_MINUTES * 60]
         ours, yd = find(rows, "adaptive + peers"), find(rows, "young_daly")
-        met = "met" if ours.ettr >= GOAL_ETTR else "**missed**"
-        print(f"| {relaunch:g} | {hang:g} | {ours.ettr:.4f} | {yd.ettr:.4f} | "
+        model = FailureModel(mtbf_seconds=GOAL_MTBF_MINUTES * 60)
+        ceiling = ettr_ceiling(tier_costs(profile, c, GOAL_GPUS), model)
+        met = "met" if ours.ettr >= GOAL_ETTR else (
+            "**missed**" if ceiling >= GOAL_ETTR else "**out of reach** (ceiling below it)")
+        print(f"| {relaunch:g} | {hang:g} | {ceiling:.4f} | {ours.ettr:.4f} | {yd.ettr:.4f} | "
               f"{(ours.ettr - yd.ettr) * 100:+.2f} points ({ours.ettr / yd.ettr - 1:+.1%}) | "
               f"{ours.recovery_seconds:.1f} | {met} |")
-    print()
+    print("\nceiling: the ETTR if every checkpoint were free and lost no work; each failure "
+          "still takes the relaunch, a hang its detection, a lost node its swap "
+          "(ckptpilot.simulate.ettr_ceiling). No policy passes it.\n")
 
 
 def plots(sizes: Sequence[Row], sweep: Sequence[Row], plot_dir: Path) -> None:
