@@ -8,7 +8,10 @@ landed), and a process that has already imported and warmed everything hides wha
 run pays once (its first save's imports, the load-test worker's start). Each run here is
 ``e2e.train`` — the very loop e2e measures — in its own interpreter, variants interleaved
 (the order rotates per round), one torch thread (training leaves a core to background work,
-as a GPU job's CPU does).
+as a GPU job's CPU does), with torch's large allocations on transparent huge pages
+(``THP_MEM_ALLOC_ENABLE=1``): without them the MLP's median step was 71 ms in one process and
+114 ms in the next, by where its pages landed, and no variant could be ranked; with them four
+processes in a row ran at 76.9-77.3 ms.
 
 Two readings of each run:
 - **wall**: the loop from the first step to ``close()`` returning, paired with the same
@@ -60,7 +63,8 @@ def child(variant: str, sizes: Sizes, workdir: Path) -> None:
 def spawn(variant: str, args: argparse.Namespace, workdir: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps),
            "--every", str(args.every), "--dir", str(workdir)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{variant}: the child failed ({done.returncode}):\n{done.stderr}")
     return json.loads(done.stdout.splitlines()[-1])
