@@ -1413,9 +1413,11 @@ def goals(results: dict[str, MethodResult], profiles: dict[str, Profile], hw: Ha
         Goal("stall ahead of DCP async_save",
              f"{dcp_async.stall() / organ.stall():.2f}x ({organ.stall():.3f} s vs "
              f"{dcp_async.stall():.3f} s)", organ.stall() < dcp_async.stall()),
-        Goal("training overhead, a save every N steps <= DCP async_save's",
+        Goal("training overhead, a save every N steps <= DCP async_save's (in this one "
+             "process; bench/loop.py: fresh processes)",
              f"{pilot_oh:+.1%} vs {dcp_oh:+.1%}", pilot_oh <= dcp_oh),
-        Goal("training overhead < 2 % at the default policy on the demo model",
+        Goal("training overhead < 2 % at the default policy on the demo model (in this one "
+             "process; bench/loop.py: fresh processes)",
              f"{demo_oh:+.1%} ({median(r.saves for r in runs['demo_pilot']):g} saves)",
              demo_oh < 0.02),
         Goal("saves at idle priority do not starve: time to durable while training <= 1.5x "
