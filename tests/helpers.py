@@ -64,6 +64,21 @@ def seeded_data() -> tuple[torch.Tensor, torch.Tensor]:
 DDP_JOB = Path(__file__).with_name("ddpjob.py")
 
 
+def ddp_policy(tmp: Path, guard: str) -> Path:
+    """The policy of tests/ddpjob.py's two-rank runs (pulses every 10 steps, driven by the
+    loss alone, nothing in the background that a loaded machine could make late), plus
+    ``guard``: the preemption or watchdog section under test."""
+    cfg = tmp / "policy.yaml"
+    cfg.write_text(
+        "scheduler: {base_interval: 10, min_interval: 1, max_interval: 500, young_daly: false,\n"
+        "  weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0},\n"
+        "  organ_every: 100}\n"
+        "validation: {load_test: none}\n"
+        "observability: {tensorboard: false, decision_log: false}\n"
+        "retention: {auto: false}\n" + guard + "\n")
+    return cfg
+
+
 def start_ddp_ranks(tmp: Path, cfg: Path, steps: int, *extra: list[str]
                     ) -> list[subprocess.Popen[str]]:
     """Two ranks of tests/ddpjob.py on a free port, run directory ``tmp/run``, final states

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from helpers import assert_states_bit_equal, start_ddp_ranks
+from helpers import assert_states_bit_equal, ddp_policy, start_ddp_ranks
 
 from ckptpilot import CheckpointPilot
 from ckptpilot.cli.report import build_report, read_records
@@ -253,16 +253,7 @@ def test_stop_records_parse_and_count_in_the_mtbf_only_for_hangs(tmp_path: Path)
 
 
 def _ddp_config(tmp: Path) -> Path:
-    cfg = tmp / "policy.yaml"
-    cfg.write_text(
-        "scheduler: {base_interval: 10, min_interval: 1, max_interval: 500, young_daly: false,\n"
-        "  weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0},\n"
-        "  organ_every: 100}\n"
-        "validation: {load_test: none}\n"
-        "observability: {tensorboard: false, decision_log: false}\n"
-        "retention: {auto: false}\n"
-        "preemption: {grace_seconds: 120}\n")
-    return cfg
+    return ddp_policy(tmp, "preemption: {grace_seconds: 120}")
 
 
 def _communicate(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-from helpers import assert_states_bit_equal, start_ddp_ranks
+from helpers import assert_states_bit_equal, ddp_policy, start_ddp_ranks
 
 from ckptpilot.cli.report import build_report, read_records
 from ckptpilot.guards.watchdog import HangWatchdog, hang_bound_seconds
@@ -124,17 +124,8 @@ def test_nothing_fires_before_the_first_step_nor_while_suspended(tmp_path: Path)
 
 
 def _config(tmp: Path) -> Path:
-    cfg = tmp / "policy.yaml"
-    cfg.write_text(
-        "scheduler: {base_interval: 10, min_interval: 1, max_interval: 500, young_daly: false,\n"
-        "  weights: {loss: 1.0, grad: 0.0, system: 0.0}, loss: {slope_threshold: 1000.0},\n"
-        "  organ_every: 100}\n"
-        "validation: {load_test: none}\n"
-        "observability: {tensorboard: false, decision_log: false}\n"
-        "retention: {auto: false}\n"
-        # A floor far above any step of this job on a loaded machine: a safety net, not a race.
-        "watchdog: {enabled: true, step_time_multiple: 50, min_seconds: 10}\n")
-    return cfg
+    # A floor far above any step of this job on a loaded machine: a safety net, not a race.
+    return ddp_policy(tmp, "watchdog: {enabled: true, step_time_multiple: 50, min_seconds: 10}")
 
 
 def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
