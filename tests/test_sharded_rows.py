@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch.distributed as dist
 from test_sharded import (
     BATCH,
@@ -19,7 +20,9 @@ from test_sharded import (
     POLICY,
     SAMPLES,
     SEED,
+    _assert_bit_equal,
     _build,
+    _full,
     _mesh,
     _pilot,
     _run,
@@ -29,7 +32,12 @@ from test_sharded import (
 )
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.dcp import dcp_name
+from ckptpilot.dcp.storage import read_manifest
+from ckptpilot.rundir import lineage_path
 from ckptpilot.sampler import ResumableSampler
+from ckptpilot.storage.lineage import read_lineage
+from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.tiers.sharded import ShardedTier
 from ckptpilot.vocab import Status
 
@@ -92,3 +100,64 @@ def test_a_restore_right_after_a_save_waits_for_every_ranks_row_before_settling(
     assert (tmp_path / "rank0_voting").exists()
     statuses = _statuses(tmp_path)
     assert {statuses[SAVED, r] for r in range(2)} == {Status.VALID}
+
+
+# -- a restore without rows: the commit file says which continuation each part is on ----------
+
+
+def _continuation_job(rank: int, world: int, port: int, out: Path, phase: str) -> None:
+    """``first``: saves steps 2 and 4. ``fork``: restores step 2 (a new continuation, step 4
+    abandoned) and saves step 3 on it. ``restore``: restores, and leaves the step, what
+    was skipped, and the state checked against step 3's when it is step 3."""
+    mesh = _mesh(rank, world, port)
+    model, opt, sched = _build(mesh)
+    sampler = ResumableSampler(SAMPLES, seed=SEED, num_replicas=world, rank=rank)
+    pilot = _pilot(out, model, opt, sched, sampler)
+    if phase == "first":
+        assert pilot.restore() == 0
+        for step in range(1, 5):
+            pilot.observe(_step(model, opt, sched, sampler.take(BATCH)))
+            if step in (2, 4):
+                assert pilot.save()
+                pilot.flush()
+    elif phase == "fork":
+        assert pilot.restore(2) == 2
+        pilot.observe(_step(model, opt, sched, sampler.take(BATCH)))
+        assert pilot.save()
+        pilot.flush()
+        full = _full(model, opt)
+        if rank == 0:
+            safetensors.torch.save_file(full, out / "full_3.safetensors")
+    else:
+        restored = pilot.restore()
+        report = pilot.last_recovery
+        assert report is not None
+        full = _full(model, opt)
+        if restored == 3:
+            _assert_bit_equal(full, safetensors.torch.load_file(out / "full_3.safetensors"))
+        _write(out / f"restored_{rank}.json", {
+            "step": restored, "skipped": [[s.location, s.reason] for s in report.skipped]})
+    pilot.close(save=False)
+    dist.destroy_process_group()
+
+
+def test_a_lost_database_restores_the_newest_step_of_the_current_continuation(
+        tmp_path: Path) -> None:
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    run = tmp_path / "run"
+    _run(_continuation_job, 2, tmp_path, "first")
+    _run(_continuation_job, 2, tmp_path, "fork")
+    manifest = read_manifest(RemoteTier(str(run / "checkpoints")), dcp_name(3))
+    assert manifest["branches"] == {str(r): read_lineage(lineage_path(run, r)).current
+                                    for r in range(2)}
+    assert "branches" not in read_manifest(RemoteTier(str(run / "checkpoints")), dcp_name(2))
+    # (Step 4's directory went with its abandoned rows, at the next save's retention.)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [dcp_name(2), dcp_name(3)]
+    for path in run.glob("metadata.sqlite*"):
+        path.unlink()
+
+    _run(_continuation_job, 2, tmp_path, "restore")
+
+    for rank in range(2):
+        result = json.loads((tmp_path / f"restored_{rank}.json").read_text())
+        assert result == {"step": 3, "skipped": []}

@@ -45,6 +45,7 @@ first rank only: the directory is every rank's.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -87,6 +88,8 @@ from ckptpilot.vocab import Level, RetentionClass, Tier
 
 __all__ = ["ShardedTier"]
 
+_BRANCH_ID = re.compile(r"[0-9a-f]{16}")  # storage.lineage's continuation ids
+
 
 class ShardedTier:
     """One rank's view of a run's sharded checkpoints; see the module docstring."""
@@ -122,6 +125,15 @@ class ShardedTier:
         dist.broadcast(flag, src=0, group=self._group)
         return bool(flag.item())
 
+    def _every_rank(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` (as many ints on every rank), by rank."""
+        if self._group is None:
+            return [row]
+        mine = torch.tensor(row, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(every, mine, group=self._group)
+        return [t.tolist() for t in every]
+
     def _least(self, vote: int) -> int:
         """Every rank's ``vote`` reduced to its minimum."""
         if self._group is None:
@@ -152,9 +164,27 @@ class ShardedTier:
     def stage(self, image: CheckpointImage, base: CheckpointImage | None = None, *,
               options: StageOptions = PLAIN) -> Staged:
         """``dcp.save`` of the image (collective), up to the commit file; ``base`` is
-        ignored (no deltas)."""
-        state = dict(image.tensors())  # a bad arena is refused before anything is written
-        state[f"rank/{self.rank}/meta"] = json_tensor(dict(image.meta))
+        ignored (no deltas). Every rank first learns whether every other could build its
+        state dict (a rank that raised before ``dcp.save`` would leave the others in it for
+        ever) and every rank's continuation (``storage.lineage``), which the commit file
+        records: a restore without rows tells from it which steps a restore abandoned."""
+        state: dict[str, torch.Tensor] = {}
+        error: Exception | None = None
+        mine = [0, 0, 0, 0]
+        try:
+            state = dict(image.tensors())  # a bad arena is refused before anything is written
+            state[f"rank/{self.rank}/meta"] = json_tensor(dict(image.meta))
+            mine = [1, *_branch_code(image.meta.get("branch"), image.step)]
+        except Exception as e:
+            error = e
+        every = self._every_rank(mine)
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(every) if row[0] != 1]
+        if failed:
+            raise RuntimeError(f"{self.where}: rank(s) {failed} could not stage step "
+                               f"{image.step} (their logs say why)")
+        branches = {rank: _branch_of(row[1:]) for rank, row in enumerate(every)}
         parts: list[WrittenPart] = []
 
         def written(part: WrittenPart) -> None:
@@ -165,7 +195,7 @@ class ShardedTier:
         writer = Writer(self._policy, step=image.step, codecs=options.codecs,
                         reason=image.reason, retention_class=image.retention_class,
                         score=image.score, codec_selector=self._codecs, on_written=written,
-                        level=image.level, remote=self.remote)
+                        level=image.level, remote=self.remote, branches=branches)
         self._dcp(lambda: dcp.save(state, storage_writer=writer, process_group=self._group,
                                    no_dist=self._group is None))
         return self._staged(image, parts[0], writer)
@@ -297,8 +327,14 @@ class ShardedTier:
         self.remote.remove(entry_of(location))
 
     def labels(self, step: int) -> Mapping[str, Any]:
+        """The commit file's level and number of ranks, and, for a rank that saved a part
+        of it, the continuation that rank saved it on ("" the run's first: also a commit
+        file from before the field, as for a per-rank archive's manifest)."""
         manifest = read_manifest(self.remote, dcp_name(step))
-        return {"level": manifest["level"], "world_size": manifest["world_size"]}
+        labels = {"level": manifest["level"], "world_size": manifest["world_size"]}
+        if self.rank < int(manifest["world_size"]):
+            labels["branch"] = manifest.get("branches", {}).get(str(self.rank), "")
+        return labels
 
     def owns(self, location: str) -> bool:
         return is_dcp_entry(entry_of(location))
@@ -318,3 +354,19 @@ class ShardedTier:
 
     def close(self) -> None:
         """Nothing to release: the process group is the assembly's."""
+
+
+def _branch_code(branch: object, step: int) -> tuple[int, int, int]:
+    """A continuation id (16 hex digits, or ""/None: the run's first) as three ints a
+    collective carries: whether there is one, then its two halves."""
+    if branch is None or branch == "":
+        return 0, 0, 0
+    if not isinstance(branch, str) or not _BRANCH_ID.fullmatch(branch):
+        raise CheckpointFormatError(f"step {step}: meta branch {str(branch)[:40]!r} is not a "
+                                    "continuation id (16 hex digits)")
+    return 1, int(branch[:8], 16), int(branch[8:], 16)
+
+
+def _branch_of(code: list[int]) -> str:
+    present, high, low = code
+    return f"{high:08x}{low:08x}" if present else ""
