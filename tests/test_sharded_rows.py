@@ -32,8 +32,10 @@ from test_sharded import (
 )
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.catalog import Catalog
 from ckptpilot.dcp import dcp_name
 from ckptpilot.dcp.storage import read_manifest
+from ckptpilot.errors import CheckpointWriteError
 from ckptpilot.rundir import lineage_path
 from ckptpilot.sampler import ResumableSampler
 from ckptpilot.storage.lineage import read_lineage
@@ -161,3 +163,52 @@ def test_a_lost_database_restores_the_newest_step_of_the_current_continuation(
     for rank in range(2):
         result = json.loads((tmp_path / f"restored_{rank}.json").read_text())
         assert result == {"step": 3, "skipped": []}
+
+
+# -- one rank fails before the put: every rank gives the step up, and saves on together --------
+
+
+def _retire_fails_job(rank: int, world: int, port: int, out: Path) -> None:
+    """Saves steps 1, 2 and 3; rank 1's catalogue fails to retire step 2 (injected). Every
+    rank's save of step 2 fails, with its own reason, and step 3 is saved by both."""
+    mesh = _mesh(rank, world, port)
+    model, opt, sched = _build(mesh)
+    sampler = ResumableSampler(SAMPLES, seed=SEED, num_replicas=world, rank=rank)
+    pilot = _pilot(out, model, opt, sched, sampler)
+    assert pilot.restore() == 0
+    if rank == 1:
+        retire = Catalog.retire
+
+        def retire_or_fail(self: Catalog, key: Any, set_aside: Any) -> None:
+            if key.step == 2:
+                raise OSError("injected: the catalogue cannot be read")
+            retire(self, key, set_aside)
+
+        Catalog.retire = retire_or_fail  # type: ignore[method-assign]
+    errors = []
+    for step in range(1, 4):
+        pilot.observe(_step(model, opt, sched, sampler.take(BATCH)))
+        assert pilot.save()
+        try:
+            pilot.flush()
+        except CheckpointWriteError as e:
+            errors.append([step, str(e)])
+    _write(out / f"retire_{rank}.json", {"errors": errors,
+                                         "saves": [s.step for s in pilot.saves]})
+    pilot.close(save=False)
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_retire_a_step_gives_it_up_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    _run(_retire_fails_job, 2, tmp_path)
+
+    results = [json.loads((tmp_path / f"retire_{r}.json").read_text()) for r in range(2)]
+    assert [r["saves"] for r in results] == [[1, 3]] * 2
+    assert [[step for step, _ in r["errors"]] for r in results] == [[2]] * 2
+    assert "another rank could not set aside" in results[0]["errors"][0][1]
+    assert "injected: the catalogue cannot be read" in results[1]["errors"][0][1]
+    assert all("step 2" in r["errors"][0][1] for r in results)
+    statuses = _statuses(tmp_path)
+    assert sorted(statuses) == [(s, r) for s in (1, 3) for r in range(2)]
+    assert set(statuses.values()) == {Status.VALID}

@@ -22,7 +22,8 @@ DCP checkpoint needs beyond another tier is collective, and stays inside this ti
   sharding now; DCP reshards into them, rank r resuming saved rank r mod N's own state) or,
   with no live tensors, like the saved global tensors. Every rank plans its load, learns
   whether every other could, then loads: a step one rank cannot read is read by none.
-- ``first_rank_refuses``: the disk budget's verdict of the first rank, for every rank
+- ``first_rank_refuses``: the disk budget's verdict of the first rank, for every rank;
+  ``any_rank_fails``: whether any rank failed what the pilot's writer does before the put
   (``tiers.base.Collective``, which also tells the restorer that a step is every rank's:
   ``shared_rows``).
 - ``survey``, ``clear``, ``labels``, ``owns`` (``tiers.base.Surveyed``): the published
@@ -124,6 +125,9 @@ class ShardedTier:
         flag = torch.tensor([int(refused)], dtype=torch.int64)
         dist.broadcast(flag, src=0, group=self._group)
         return bool(flag.item())
+
+    def any_rank_fails(self, failed: bool) -> bool:
+        return self._least(int(not failed)) == 0
 
     def _every_rank(self, row: list[int]) -> list[list[int]]:
         """Every rank's ``row`` (as many ints on every rank), by rank."""
