@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+import torch
 import torch.distributed as dist
 from test_sharded import (
     BATCH,
@@ -32,16 +33,21 @@ from test_sharded import (
 )
 
 from ckptpilot.agreement import RankAgreement
+from ckptpilot.assembly import sharded_tier
 from ckptpilot.catalog import Catalog
+from ckptpilot.dcp import Writer as DcpWriter
 from ckptpilot.dcp import dcp_name
 from ckptpilot.dcp.storage import read_manifest
 from ckptpilot.errors import CheckpointWriteError
+from ckptpilot.policy import Policy
 from ckptpilot.rundir import lineage_path
 from ckptpilot.sampler import ResumableSampler
 from ckptpilot.storage.lineage import read_lineage
+from ckptpilot.tiers.base import CheckpointImage
 from ckptpilot.tiers.remote.store import RemoteTier
 from ckptpilot.tiers.sharded import ShardedTier
-from ckptpilot.vocab import Status
+from ckptpilot.tiers.sharded import tier as tier_module
+from ckptpilot.vocab import Level, RetentionClass, Status
 
 SAVED = 2  # the step saved right before the restore
 
@@ -212,3 +218,65 @@ def test_a_rank_that_cannot_retire_a_step_gives_it_up_on_every_rank(tmp_path: Pa
     statuses = _statuses(tmp_path)
     assert sorted(statuses) == [(s, r) for s in (1, 3) for r in range(2)]
     assert set(statuses.values()) == {Status.VALID}
+
+
+def _tier_faults_job(rank: int, world: int, port: int, out: Path) -> None:
+    """Puts steps 5 to 8 through the tier itself (paranoid validation), each of the first
+    three failing on one rank only: rank 1's meta of step 5 has no JSON form, rank 1's
+    read-back of step 6 raises (injected), rank 0's commit of step 7 raises (injected).
+    Leaves what each put raised on this rank, and the steps published."""
+    _mesh(rank, world, port)
+    group = dist.new_group(backend="gloo")
+    policy = Policy().with_run_dir(out / "run")
+    policy = policy.model_copy(update={"validation": policy.validation.model_copy(
+        update={"paranoid": True, "sha256": True})})
+    tier = sharded_tier(policy, RemoteTier(f"file://{out}/dcp"), rank=rank,
+                        world_size=world, group=group)
+    read_back, commit = tier_module.read_back, DcpWriter.commit
+
+    def read_back_or_fail(remote: RemoteTier, part: Any) -> None:
+        if rank == 1 and part.step == 6:
+            raise KeyError("injected: the read-back lost its way")
+        read_back(remote, part)
+
+    def commit_or_fail(self: DcpWriter) -> None:
+        if self.step == 7:
+            raise ValueError("injected: the commit file cannot be written")
+        commit(self)
+
+    tier_module.read_back = read_back_or_fail  # type: ignore[assignment]
+    DcpWriter.commit = commit_or_fail  # type: ignore[method-assign]
+    outcomes = []
+    for step in (5, 6, 7, 8):
+        meta = {"unencodable": {1, 2}} if rank == 1 and step == 5 else {}
+        image = CheckpointImage.copied(step, {"step": step, "rank": rank, **meta},
+                                       {"model/w": torch.arange(8, dtype=torch.float32)},
+                                       level=Level.ORGAN, reason="test",
+                                       retention_class=RetentionClass.ROUTINE, score=None)
+        try:
+            outcomes.append(f"put {tier.put(image).step}")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    _write(out / f"faults_{rank}.json", {"outcomes": outcomes, "steps": tier.steps()})
+    dist.destroy_process_group()
+
+
+def test_a_tier_step_one_rank_raises_in_raises_on_every_rank_and_the_next_goes_through(
+        tmp_path: Path) -> None:
+    _run(_tier_faults_job, 2, tmp_path)
+
+    first, second = (json.loads((tmp_path / f"faults_{r}.json").read_text())
+                     for r in range(2))
+    assert first["steps"] == second["steps"] == [8]
+    assert first["outcomes"][3] == second["outcomes"][3] == "put 8"
+    stage, validate, publish = zip(first["outcomes"][:3], second["outcomes"][:3],
+                                   strict=True)
+    assert stage[0].startswith("RuntimeError: ") and "rank(s) [1] could not stage step 5" \
+        in stage[0]
+    assert stage[1].startswith("TypeError: ") and "not JSON serializable" in stage[1]
+    assert validate[0].startswith("RuntimeError: ")
+    assert "another rank failed to validate step 6" in validate[0]
+    assert validate[1] == "KeyError: 'injected: the read-back lost its way'"
+    assert publish[0] == "ValueError: injected: the commit file cannot be written"
+    assert publish[1].startswith("OSError: ") and "rank 0 could not publish step 7" \
+        in publish[1]

@@ -211,9 +211,11 @@ class ShardedTier:
                       handle=(writer, part))
 
     def validate(self, staged: Staged) -> Check:
-        """This rank's part read back (paranoid mode), then every rank's verdict shared."""
+        """This rank's part read back (paranoid mode), then every rank's verdict shared: a
+        rank whose read-back raised anything else raises after the vote, and every other
+        rank with it."""
         _, part = staged.handle
-        ok, reason, seconds = True, "hashed as written", None
+        ok, reason, seconds, error = True, "hashed as written", None, None
         checks = self._policy.validation
         if checks.sha256 and checks.paranoid:
             t0 = time.perf_counter()
@@ -222,19 +224,28 @@ class ShardedTier:
                 reason = "read back"
             except (CheckpointFormatError, OSError) as e:
                 ok, reason = False, f"read back after writing: {e}"
+            except Exception as e:
+                error = e
             seconds = time.perf_counter() - t0
-        if self._least(int(ok)) == 0 and ok:
+        agreed = self._least(-1 if error is not None else int(ok))
+        if error is not None:
+            raise error
+        if agreed < 0:
+            raise RuntimeError(f"{self.where}: another rank failed to validate step "
+                               f"{staged.step} (its log says why)")
+        if agreed == 0 and ok:
             ok, reason = False, f"another rank's part of step {staged.step} failed validation"
         return Check(ok, reason, seconds)
 
     def publish(self, staged: Staged) -> PutReceipt:
-        """The commit file, written by the coordinator; every rank learns that it was."""
+        """The commit file, written by the coordinator; every rank learns whether it was,
+        whatever the coordinator's failure."""
         writer, part = staged.handle
-        error: OSError | None = None
+        error: Exception | None = None
         try:
             if writer.is_coordinator:
                 writer.commit()
-        except OSError as e:
+        except Exception as e:
             error = e
         refused = self.first_rank_refuses(error is not None)
         if error is not None:
