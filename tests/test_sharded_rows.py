@@ -116,7 +116,8 @@ def test_a_restore_right_after_a_save_waits_for_every_ranks_row_before_settling(
 def _continuation_job(rank: int, world: int, port: int, out: Path, phase: str) -> None:
     """``first``: saves steps 2 and 4. ``fork``: restores step 2 (a new continuation, step 4
     abandoned) and saves step 3 on it. ``restore``: restores, and leaves the step, what
-    was skipped, and the state checked against step 3's when it is step 3."""
+    was skipped, and the state checked against step 3's when it is step 3; ``flaky``: the
+    same, rank 1 reading a changed commit file of step 4."""
     mesh = _mesh(rank, world, port)
     model, opt, sched = _build(mesh)
     sampler = ResumableSampler(SAMPLES, seed=SEED, num_replicas=world, rank=rank)
@@ -137,6 +138,18 @@ def _continuation_job(rank: int, world: int, port: int, out: Path, phase: str) -
         if rank == 0:
             safetensors.torch.save_file(full, out / "full_3.safetensors")
     else:
+        if phase == "flaky" and rank == 1:  # this rank's storage returns a wrong commit file
+            read_bytes = RemoteTier.read_bytes
+
+            def read_bytes_changed(self: RemoteTier, relpath: str) -> bytes:
+                data = read_bytes(self, relpath)
+                if relpath == f"{dcp_name(4)}/manifest.json":
+                    changed = data.replace(b'"reason": "manual"', b'"reason": "manuaL"')
+                    assert changed != data
+                    return changed
+                return data
+
+            RemoteTier.read_bytes = read_bytes_changed  # type: ignore[method-assign]
         restored = pilot.restore()
         report = pilot.last_recovery
         assert report is not None
@@ -170,6 +183,24 @@ def test_a_lost_database_restores_the_newest_step_of_the_current_continuation(
         result = json.loads((tmp_path / f"restored_{rank}.json").read_text())
         assert result == {"step": 3, "skipped": []}
 
+
+def test_wrong_bytes_one_rank_alone_reads_condemn_the_step_in_every_ranks_row(
+        tmp_path: Path) -> None:
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    _run(_continuation_job, 2, tmp_path, "first")
+
+    _run(_continuation_job, 2, tmp_path, "flaky")
+
+    results = [json.loads((tmp_path / f"restored_{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in results] == [2, 2]
+    for rank, result in enumerate(results):
+        (location, reason), = result["skipped"]
+        assert location.endswith(dcp_name(4))
+        assert ("another rank read wrong bytes of step 4" if rank == 0
+                else f"{dcp_name(4)}/manifest.json") in reason, reason
+    statuses = _statuses(tmp_path)
+    assert {statuses[4, r] for r in range(2)} == {Status.CORRUPTED}
+    assert {statuses[2, r] for r in range(2)} == {Status.VALID}
 
 # -- one rank fails before the put: every rank gives the step up, and saves on together --------
 

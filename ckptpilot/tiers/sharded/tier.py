@@ -33,7 +33,9 @@ DCP checkpoint needs beyond another tier is collective, and stays inside this ti
 A failed ``open`` fails on every rank, each with its reason: a DCP load's failure (every
 rank's, ``CheckpointException``) becomes a ``CheckpointFormatError`` when any rank read
 wrong bytes, an ``OSError`` when every rank failed to read, naming each rank; a rank that
-could read a step another could not raises :class:`~ckptpilot.tiers.sharded.load.NotLoadable`.
+could read a step another could not raises :class:`~ckptpilot.tiers.sharded.load.NotLoadable`,
+or a ``CheckpointFormatError`` when the other read wrong bytes, so that the step is condemned
+in every rank's row whichever rank read them.
 So nothing live changes on one rank when another cannot load the step.
 
 Every collective runs on ``group``, the tier's own (DCP's collectives run on the writer
@@ -90,6 +92,10 @@ from ckptpilot.vocab import Level, RetentionClass, Tier
 __all__ = ["ShardedTier"]
 
 _BRANCH_ID = re.compile(r"[0-9a-f]{16}")  # storage.lineage's continuation ids
+# A rank's verdict on a step it opens; every rank acts on the least: a rank that failed, then
+# one that read wrong bytes (every rank condemns the step, so rank 0 condemns every row of
+# it, whichever rank saw them), then one that cannot read it (passed over, not condemned).
+_FAILED, _WRONG_BYTES, _UNREADABLE, _READ = -1, 0, 1, 2
 
 
 class ShardedTier:
@@ -275,7 +281,7 @@ class ShardedTier:
 
     def _open(self, step: int, expect: str | None) -> tuple[OpenedImage, list[str]]:
         where = self.locate(step)
-        load, reader, vote, error = None, None, 1, None
+        load, reader, vote, error = None, None, _READ, None
         try:
             if step not in self.steps():
                 raise NoCheckpointError(f"{self.where}: step {step} not held ({where} is "
@@ -288,17 +294,13 @@ class ShardedTier:
                                      "the checkpoint recorded)", expect, str(part))
             load = plan_load(entries, where, saved_world_size=int(reader.manifest["world_size"]),
                              rank=self.rank, world_size=self._world_size, live=self._live)
-        except (CheckpointFormatError, OSError, NoCheckpointError) as e:
-            vote, error = 0, e
+        except CheckpointFormatError as e:
+            vote, error = _WRONG_BYTES, e
+        except (OSError, NoCheckpointError, NotLoadable) as e:
+            vote, error = _UNREADABLE, e
         except BaseException as e:
-            vote, error = -1, e
-        agreed = self._least(vote)
-        if error is not None:
-            raise error
-        if agreed == 0:
-            raise NotLoadable(f"{where}: another rank cannot read step {step}")
-        if agreed < 0:
-            raise RuntimeError(f"{where}: another rank failed to plan the load of step {step}")
+            vote, error = _FAILED, e
+        _verdict(self._least(vote), error, where, step, "plan the load of")
         assert load is not None and reader is not None
         try:
             self._dcp(lambda: dcp.load(load.state, storage_reader=reader,
@@ -306,13 +308,15 @@ class ShardedTier:
         except IntegrityError as e:  # one process's own: the item's message, with the step
             raise IntegrityError(f"step {step}: {e.key}", e.expected, e.actual,
                                  e.digest) from e
-        meta, error = None, None
+        meta, vote, error = None, _READ, None
         try:
             meta = meta_of(load, load.source, where)
         except CheckpointFormatError as e:
-            error = e
-        if self._least(int(error is None)) == 0:  # loaded everywhere, or used nowhere
-            raise error or NotLoadable(f"{where}: another rank cannot read step {step}")
+            vote, error = _WRONG_BYTES, e
+        except Exception as e:
+            vote, error = _FAILED, e
+        # Loaded everywhere, or used nowhere.
+        _verdict(self._least(vote), error, where, step, "read the meta of")
         assert meta is not None
         opened = OpenedImage(step, meta, Level(reader.manifest["level"]), where,
                              reader.bytes_read, tensor_getter(load, where))
@@ -385,3 +389,18 @@ def _branch_code(branch: object, step: int) -> tuple[int, int, int]:
 def _branch_of(code: list[int]) -> str:
     present, high, low = code
     return f"{high:08x}{low:08x}" if present else ""
+
+
+def _verdict(agreed: int, error: BaseException | None, where: str, step: int,
+             doing: str) -> None:
+    """Raise unless every rank could go on (``agreed``: the least verdict): this rank's own
+    error, as wrong bytes when another rank read wrong bytes, else why another could not."""
+    if agreed == _WRONG_BYTES and not isinstance(error, CheckpointFormatError):
+        raise CheckpointFormatError(f"{where}: another rank read wrong bytes of step {step} "
+                                    "(its log says which)") from error
+    if error is not None:
+        raise error
+    if agreed == _UNREADABLE:
+        raise NotLoadable(f"{where}: another rank cannot read step {step}")
+    if agreed < 0:
+        raise RuntimeError(f"{where}: another rank failed to {doing} step {step}")
