@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -60,8 +61,9 @@ def _wait_for(path: Path, why: str) -> None:
         time.sleep(0.01)
 
 
-def _restore_after_save_job(rank: int, world: int, port: int, out: Path) -> None:
-    """Saves step 2 and restores at once, every rank. Rank 1's writer publishes its row
+def _restore_after_save_job(rank: int, world: int, port: int, out: Path, how: str) -> None:
+    """Saves step 2 and restores at once, every rank: ``restore()``, or the restore an
+    instability rollback makes (the newest step below 3). Rank 1's writer publishes its row
     only once rank 0 has reached the restore's first vote: before the fix, rank 0 had
     settled by then (finding rank 1's row ``pending`` of a published step), and rank 1's
     own publication of that row failed, so the restore failed on every rank."""
@@ -91,17 +93,18 @@ def _restore_after_save_job(rank: int, world: int, port: int, out: Path) -> None
     for _ in range(SAVED):
         pilot.observe(_step(model, opt, sched, sampler.take(BATCH)))
     assert pilot.save()
-    restored = pilot.restore()
+    restored = pilot.restore() if how == "restore" else pilot._restore_before(SAVED + 1)
     _write(out / f"restored_{rank}.json", {"step": restored,
                                            "saves": [s.step for s in pilot.saves]})
     pilot.close(save=False)
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("how", ["restore", "rollback"])
 def test_a_restore_right_after_a_save_waits_for_every_ranks_row_before_settling(
-        tmp_path: Path) -> None:
+        tmp_path: Path, how: str) -> None:
     (tmp_path / "policy.yaml").write_text(POLICY)
-    _run(_restore_after_save_job, 2, tmp_path)
+    _run(_restore_after_save_job, 2, tmp_path, how)
 
     results = [json.loads((tmp_path / f"restored_{r}.json").read_text()) for r in range(2)]
     assert results == [{"step": SAVED, "saves": [SAVED]}] * 2
