@@ -17,8 +17,9 @@ condemns copies that fail verification. It names no concrete tier: what differs 
 sources comes from their capabilities and the protocols they implement. A durable tier that
 is :class:`~ckptpilot.tiers.base.Collective` (the sharded tier: one DCP checkpoint of every
 rank per step, opened by every rank together) is walked by the same loop; its rows are every
-rank's, so the first rank settles them before any rank lists, and the candidates, the
-condemnations and the abandoned rows come from every rank's rows (``shared_rows``).
+rank's, so the first rank settles them once every rank's writer is idle and before any
+rank lists, and the candidates, the condemnations and the abandoned rows come from every
+rank's rows (``shared_rows``).
 
 It must not change the live run beyond ``apply``: what a restore means for the step
 counters, the scheduler, the ledger and the data cursor is the pilot's. Threading: the
@@ -166,16 +167,12 @@ class Restorer:
         try:
             if prepare is not None:
                 prepare()
-            if self._shared and self._rank == 0:
-                shared_rows.settle(self._catalog, self._durable_tier, self._durable,
-                                   self._survey()[0])
         except BaseException as e:
             if agreement is None:
                 raise
             failure = e
-        if self._shared and agreement is not None:  # every rank lists once the first settled
-            agreement.raise_if_failed(agreement.vote(-1 if failure is not None else 1),
-                                      failure, "preparing the restore")
+        if self._shared:
+            self._settle_shared(failure)
         try:
             if failure is None:
                 plan = self._plan(step, before)
@@ -228,6 +225,28 @@ class Restorer:
         if refuse:
             raise NoCheckpointError(self._nothing_loads(plan.step, skipped))
         return Restored(0, None, tuple(skipped))
+
+    def _settle_shared(self, failure: BaseException | None) -> None:
+        """(rows every rank shares) The first rank settles what a killed save left once
+        every rank's writer is idle, and every rank lists after it settled. Each rank marks
+        its own row ``valid`` on its writer thread after the commit file is written: a
+        settle while another rank's writer is still at it would find that row ``pending`` of
+        a published step, mark it, and that writer's own publication would then fail."""
+        agreement = self._agreement
+        if agreement is not None:
+            agreement.raise_if_failed(agreement.vote(-1 if failure is not None else 1),
+                                      failure, "preparing the restore")
+        try:
+            if self._rank == 0:
+                shared_rows.settle(self._catalog, self._durable_tier, self._durable,
+                                   self._survey()[0])
+        except BaseException as e:
+            if agreement is None:
+                raise
+            failure = e
+        if agreement is not None:
+            agreement.raise_if_failed(agreement.vote(-1 if failure is not None else 1),
+                                      failure, "settling the rows of a killed save")
 
     def _plan(self, step: int | None, before: int | None) -> _Plan:
         """This rank's candidates (all below ``before`` if given), per step and fastest

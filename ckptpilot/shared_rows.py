@@ -90,7 +90,10 @@ def _unrecorded(durable: Surveyed, tier: CheckpointTier, step: int, where: str,
         labels = durable.labels(step)
     except (CheckpointFormatError, OSError):  # reading it again reports why
         return Candidate(step, "unknown", tier.kind, where, None)
-    abandoned = None if lineage is None else lineage.why_abandoned(labels.get("branch"), step)
+    # A rank the saved run did not have saved no part on any of its continuations: the
+    # saved ranks judge the step (the agreement keeps only the steps every rank offers).
+    abandoned = (None if lineage is None or "branch" not in labels
+                 else lineage.why_abandoned(labels["branch"], step))
     return Candidate(step, labels["level"], tier.kind, where, None, abandoned)
 
 

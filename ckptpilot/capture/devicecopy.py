@@ -144,8 +144,9 @@ class CudaSideStreams:
 
 
 def copy_now(pairs: Pairs) -> None:
-    """Copy ``pairs`` and return once they are done: for a capture no hook orders the next
-    steps after (the sharded path, benchmarks, tests)."""
+    """Copy ``pairs`` and return once they are done: for a capture without a copier to
+    order the next steps after it (a sharded state's objects other than its DTensors,
+    which ``capture.sharded`` copies itself; a capture outside a pilot)."""
     CudaSideStreams().start(pairs, ()).wait()
 
 

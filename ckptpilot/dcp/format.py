@@ -10,8 +10,10 @@ Owns, and keeps pure (no I/O):
   read): DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON, so that
   :class:`~ckptpilot.dcp.Reader` never unpickles DCP's ``.metadata``; every item's file, byte
   range, encoding and SHA256; the SHA256 of each rank's part (what that rank's metadata row
-  records); the size and SHA256 of ``.metadata``; and ``self_sha256`` over the rest, as in
-  ``format.manifest``;
+  records); the size and SHA256 of ``.metadata``; ``branches``, present only when a rank saved
+  on a continuation other than the run's first (``storage.lineage``): that rank's
+  continuation id, by rank, as a per-rank archive's manifest has its ``branch``; and
+  ``self_sha256`` over the rest, as in ``format.manifest``;
 - the item encodings: ``torch.save`` (what stock ``FileSystemReader`` reads: one
   ``torch.save`` zip per tensor, as ``FileSystemWriter`` writes it), read back here by locating
   the storage record in the zip, without unpickling its ``data.pkl``; ``blob`` (a codec blob,
@@ -238,9 +240,11 @@ def _planner_data_to_json(data: object) -> dict[str, list[str | int]] | None:
 def build_manifest(*, step: int, world_size: int, level: str, reason: str,
                    retention_class: str, score: float | None, created_unix: float,
                    codecs: bool, metadata: Metadata, items: Mapping[MetadataIndex, ItemRecord],
-                   metadata_file: Mapping[str, Any] | None) -> dict[str, Any]:
+                   metadata_file: Mapping[str, Any] | None,
+                   branches: Mapping[int, str] | None = None) -> dict[str, Any]:
     """A complete commit file, ``self_sha256`` included. ``metadata_file``: the size and
-    SHA256 of the ``.metadata`` written beside it (None when none was: with codecs)."""
+    SHA256 of the ``.metadata`` written beside it (None when none was: with codecs);
+    ``branches``: each rank's continuation id ("" or absent: the run's first)."""
     storage = metadata.storage_meta
     manifest: dict[str, Any] = {
         "format": DCP_FORMAT,
@@ -267,6 +271,9 @@ def build_manifest(*, step: int, world_size: int, level: str, reason: str,
     }
     for rank in range(world_size):
         manifest["parts"].setdefault(str(rank), empty_part_digest())
+    if branches and any(branches.values()):
+        manifest["branches"] = {str(rank): branch for rank, branch in sorted(branches.items())
+                                if branch}
     manifest["self_sha256"] = _digest(manifest)
     return manifest
 

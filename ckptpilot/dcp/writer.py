@@ -187,7 +187,9 @@ class Writer(StorageWriter):
     file, as the pilot's saves record theirs (``ckptpilot prune`` keeps by them). The level
     is ``level``, by default ``organ`` with codecs off and ``pulse`` with them
     (``vocab.Level``). ``on_written``: driven by a tier (module docstring); ``remote``: the
-    store to write to, when not ``tiers.remote`` of the policy (the tier's own).
+    store to write to, when not ``tiers.remote`` of the policy (the tier's own);
+    ``branches``: every rank's continuation id (``storage.lineage``), which the commit file
+    records (the coordinator's Writer needs them; a tier gathers them).
     """
 
     def __init__(self, target: Policy | str | os.PathLike[str], *, step: int,
@@ -196,7 +198,8 @@ class Writer(StorageWriter):
                  score: float | None = None,
                  codec_selector: CodecSelector | None = None,
                  on_written: Callable[[WrittenPart], None] | None = None,
-                 level: Level | None = None, remote: RemoteTier | None = None) -> None:
+                 level: Level | None = None, remote: RemoteTier | None = None,
+                 branches: Mapping[int, str] | None = None) -> None:
         super().__init__()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step: expected a non-negative int, got {step!r}")
@@ -221,6 +224,7 @@ class Writer(StorageWriter):
         self._run_selector = codec_selector
         self._selector: CodecSelector | None = None
         self._on_written = on_written
+        self._branches = branches
         self.is_coordinator = False  # the rank that finishes and commits (DCP says which)
         self._commit: bytes | None = None  # the commit file finish() built, for commit()
 
@@ -318,7 +322,8 @@ class Writer(StorageWriter):
             step=self.step, world_size=len(results), level=self.intent.level,
             reason=self.intent.reason, retention_class=self.intent.retention_class,
             score=self.intent.score, created_unix=time.time(), codecs=self.codecs,
-            metadata=metadata, items=items, metadata_file=metadata_file)
+            metadata=metadata, items=items, metadata_file=metadata_file,
+            branches=self._branches)
         self._commit = encode_manifest(manifest)
         if self._on_written is not None:
             return  # the tier's publish commits, once every rank's part is validated

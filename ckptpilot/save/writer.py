@@ -14,10 +14,11 @@ that keeps no older image supersedes their rows once it commits; a tier that is 
 may fail a save, which then goes to the plan's fallback (the durable tier's failure is the
 run's error); a :class:`~ckptpilot.tiers.base.Collective` tier (the sharded tier: one DCP
 checkpoint of every rank) is refused by every rank when the first rank's disk budget
-refuses it, and records its ``pending`` row from inside its stage
-(``StageOptions.written``). A valid save then stays in the keeper (the memory tier, through
-the same protocol) or its buffers go back to the pool. Back-pressure: at most ``async.max_pending``
-snapshots exist at once (:meth:`acquire_slot` waits for one).
+refuses it, given up by every rank when one fails before its put, and records its
+``pending`` row from inside its stage (``StageOptions.written``). A valid save then stays
+in the keeper (the memory tier, through the same protocol) or its buffers go back to the
+pool. Back-pressure: at most ``async.max_pending`` snapshots exist at once
+(:meth:`acquire_slot` waits for one).
 
 An exception in a job is kept and raised on the training thread by :meth:`raise_errors` as
 ``CheckpointWriteError`` naming the step and the tier it happened in; it is never swallowed.
@@ -330,10 +331,7 @@ class CheckpointWriter:
             refusal = self._room_for(tier, image)
             if refusal is not None:
                 raise refusal
-        catalog = self._catalog
-        # Before staging: on an object store the staging is the checkpoint's own name.
-        catalog.retire(catalog.key(image.step, kind),
-                       lambda: tier.set_aside(image.step, "superseded"))
+        self._retire(tier, kind, image)
         keeper = self._keeper
         base = None
         if tier.capabilities.folds_deltas and isinstance(keeper, BaseKeeper):
@@ -364,6 +362,26 @@ class CheckpointWriter:
             refusal = DiskBudgetError(f"step {image.step}: rank 0 found no room for it under "
                                       "the disk budget (rank 0's log says why)")
         return refusal
+
+    def _retire(self, tier: CheckpointTier, kind: Tier, image: CheckpointImage) -> None:
+        """(writer thread) Set aside this rank's copy of the step from an abandoned
+        continuation (``Catalog.retire``), before staging: on an object store the staging is
+        the checkpoint's own name. A :class:`~ckptpilot.tiers.base.Collective` tier's save
+        is given up on every rank when any rank fails here (raised before the others learn
+        it, it would leave them waiting for ever in the save's collectives)."""
+        catalog, collective = self._catalog, isinstance(tier, Collective)
+        error: Exception | None = None
+        try:
+            catalog.retire(catalog.key(image.step, kind),
+                           lambda: tier.set_aside(image.step, "superseded"))
+        except Exception as e:
+            if not collective:
+                raise
+            error = e
+        if collective and tier.any_rank_fails(error is not None):
+            raise error or RuntimeError(
+                f"step {image.step}: another rank could not set aside its copy from an "
+                "abandoned continuation (its log says why); no rank saves the step")
 
     def _two_phases(self, tier: CheckpointTier, image: CheckpointImage,
                     base: CheckpointImage | None, plan: SavePlan, stall: float,

@@ -366,9 +366,13 @@ class Collective(Protocol):
     checkpoint, each rank writing its part): a save that one rank refuses must be refused by
     every rank before any of them starts it, or the others would wait in it for ever.
     ``first_rank_refuses(refused)`` (collective) gives every rank the first rank's answer:
-    the first rank alone decides the disk budget."""
+    the first rank alone decides the disk budget; ``any_rank_fails(failed)`` (collective)
+    tells every rank whether any failed, so that a step one rank raised in before the put is
+    given up by every rank."""
 
     def first_rank_refuses(self, refused: bool) -> bool: ...
+
+    def any_rank_fails(self, failed: bool) -> bool: ...
 
 
 @runtime_checkable

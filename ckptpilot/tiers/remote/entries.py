@@ -2,8 +2,8 @@
 and the one way it is deleted (issue 28).
 
 Every deletion under a tier's root — retention during training and ``ckptpilot prune``, the
-disk budget, what ``recover`` set aside, the debris of a killed writer (the restorer, the
-sharded restore), the delete half of a "rename" on an object store, a tier's ``discard`` —
+disk budget, what ``recover`` set aside, the debris of a killed writer (the restorer, for
+every tier), the delete half of a "rename" on an object store, a tier's ``discard`` —
 ends in :meth:`RemoteTier.remove <ckptpilot.tiers.remote.store.RemoteTier.remove>`, which calls
 :func:`remove_entry`; nothing else in the package deletes under a root (the architecture
 test ``tests/test_safe_delete.py`` reads the source for it). So a wrong path in a metadata

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from ckptpilot.capture.sharded import decode_meta, host_like, local_part
 from ckptpilot.errors import CheckpointFormatError, CkptPilotError, StateError
 
-__all__ = ["LiveTensors", "Load", "NotLoadable", "plan_load", "rank_failures", "why_failed"]
+__all__ = ["LiveTensors", "Load", "NotLoadable", "meta_of", "plan_load", "rank_failures",
+           "tensor_getter", "why_failed"]
 
 LiveTensors = Callable[[], tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor] | None]]
 """The live model's and optimizer's tensors by checkpoint key (None: no optimizer)."""
@@ -39,9 +40,7 @@ class Load:
 
     state: dict[str, torch.Tensor]
     devices: dict[str, torch.device]
-    saved_world_size: int
     source: int
-    metas: list[int]
 
 
 def plan_load(entries: Mapping[str, Any], where: str, *, saved_world_size: int, rank: int,
@@ -71,7 +70,7 @@ def plan_load(entries: Mapping[str, Any], where: str, *, saved_world_size: int, 
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointFormatError(f"{where}: {key} is no tensor")
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    return Load(state, devices, saved_world_size, source, metas)
+    return Load(state, devices, source)
 
 
 def _template(entries: Mapping[str, Any], where: str, live: LiveTensors

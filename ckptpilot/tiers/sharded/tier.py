@@ -22,7 +22,8 @@ DCP checkpoint needs beyond another tier is collective, and stays inside this ti
   sharding now; DCP reshards into them, rank r resuming saved rank r mod N's own state) or,
   with no live tensors, like the saved global tensors. Every rank plans its load, learns
   whether every other could, then loads: a step one rank cannot read is read by none.
-- ``first_rank_refuses``: the disk budget's verdict of the first rank, for every rank
+- ``first_rank_refuses``: the disk budget's verdict of the first rank, for every rank;
+  ``any_rank_fails``: whether any rank failed what the pilot's writer does before the put
   (``tiers.base.Collective``, which also tells the restorer that a step is every rank's:
   ``shared_rows``).
 - ``survey``, ``clear``, ``labels``, ``owns`` (``tiers.base.Surveyed``): the published
@@ -32,7 +33,9 @@ DCP checkpoint needs beyond another tier is collective, and stays inside this ti
 A failed ``open`` fails on every rank, each with its reason: a DCP load's failure (every
 rank's, ``CheckpointException``) becomes a ``CheckpointFormatError`` when any rank read
 wrong bytes, an ``OSError`` when every rank failed to read, naming each rank; a rank that
-could read a step another could not raises :class:`~ckptpilot.tiers.sharded.load.NotLoadable`.
+could read a step another could not raises :class:`~ckptpilot.tiers.sharded.load.NotLoadable`,
+or a ``CheckpointFormatError`` when the other read wrong bytes, so that the step is condemned
+in every rank's row whichever rank read them.
 So nothing live changes on one rank when another cannot load the step.
 
 Every collective runs on ``group``, the tier's own (DCP's collectives run on the writer
@@ -45,6 +48,7 @@ first rank only: the directory is every rank's.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -87,6 +91,12 @@ from ckptpilot.vocab import Level, RetentionClass, Tier
 
 __all__ = ["ShardedTier"]
 
+_BRANCH_ID = re.compile(r"[0-9a-f]{16}")  # storage.lineage's continuation ids
+# A rank's verdict on a step it opens; every rank acts on the least: a rank that failed, then
+# one that read wrong bytes (every rank condemns the step, so rank 0 condemns every row of
+# it, whichever rank saw them), then one that cannot read it (passed over, not condemned).
+_FAILED, _WRONG_BYTES, _UNREADABLE, _READ = -1, 0, 1, 2
+
 
 class ShardedTier:
     """One rank's view of a run's sharded checkpoints; see the module docstring."""
@@ -122,6 +132,18 @@ class ShardedTier:
         dist.broadcast(flag, src=0, group=self._group)
         return bool(flag.item())
 
+    def any_rank_fails(self, failed: bool) -> bool:
+        return self._least(int(not failed)) == 0
+
+    def _every_rank(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` (as many ints on every rank), by rank."""
+        if self._group is None:
+            return [row]
+        mine = torch.tensor(row, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(every, mine, group=self._group)
+        return [t.tolist() for t in every]
+
     def _least(self, vote: int) -> int:
         """Every rank's ``vote`` reduced to its minimum."""
         if self._group is None:
@@ -152,9 +174,27 @@ class ShardedTier:
     def stage(self, image: CheckpointImage, base: CheckpointImage | None = None, *,
               options: StageOptions = PLAIN) -> Staged:
         """``dcp.save`` of the image (collective), up to the commit file; ``base`` is
-        ignored (no deltas)."""
-        state = dict(image.tensors())  # a bad arena is refused before anything is written
-        state[f"rank/{self.rank}/meta"] = json_tensor(dict(image.meta))
+        ignored (no deltas). Every rank first learns whether every other could build its
+        state dict (a rank that raised before ``dcp.save`` would leave the others in it for
+        ever) and every rank's continuation (``storage.lineage``), which the commit file
+        records: a restore without rows tells from it which steps a restore abandoned."""
+        state: dict[str, torch.Tensor] = {}
+        error: Exception | None = None
+        mine = [0, 0, 0, 0]
+        try:
+            state = dict(image.tensors())  # a bad arena is refused before anything is written
+            state[f"rank/{self.rank}/meta"] = json_tensor(dict(image.meta))
+            mine = [1, *_branch_code(image.meta.get("branch"), image.step)]
+        except Exception as e:
+            error = e
+        every = self._every_rank(mine)
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(every) if row[0] != 1]
+        if failed:
+            raise RuntimeError(f"{self.where}: rank(s) {failed} could not stage step "
+                               f"{image.step} (their logs say why)")
+        branches = {rank: _branch_of(row[1:]) for rank, row in enumerate(every)}
         parts: list[WrittenPart] = []
 
         def written(part: WrittenPart) -> None:
@@ -165,7 +205,7 @@ class ShardedTier:
         writer = Writer(self._policy, step=image.step, codecs=options.codecs,
                         reason=image.reason, retention_class=image.retention_class,
                         score=image.score, codec_selector=self._codecs, on_written=written,
-                        level=image.level, remote=self.remote)
+                        level=image.level, remote=self.remote, branches=branches)
         self._dcp(lambda: dcp.save(state, storage_writer=writer, process_group=self._group,
                                    no_dist=self._group is None))
         return self._staged(image, parts[0], writer)
@@ -177,9 +217,11 @@ class ShardedTier:
                       handle=(writer, part))
 
     def validate(self, staged: Staged) -> Check:
-        """This rank's part read back (paranoid mode), then every rank's verdict shared."""
+        """This rank's part read back (paranoid mode), then every rank's verdict shared: a
+        rank whose read-back raised anything else raises after the vote, and every other
+        rank with it."""
         _, part = staged.handle
-        ok, reason, seconds = True, "hashed as written", None
+        ok, reason, seconds, error = True, "hashed as written", None, None
         checks = self._policy.validation
         if checks.sha256 and checks.paranoid:
             t0 = time.perf_counter()
@@ -188,19 +230,28 @@ class ShardedTier:
                 reason = "read back"
             except (CheckpointFormatError, OSError) as e:
                 ok, reason = False, f"read back after writing: {e}"
+            except Exception as e:
+                error = e
             seconds = time.perf_counter() - t0
-        if self._least(int(ok)) == 0 and ok:
+        agreed = self._least(-1 if error is not None else int(ok))
+        if error is not None:
+            raise error
+        if agreed < 0:
+            raise RuntimeError(f"{self.where}: another rank failed to validate step "
+                               f"{staged.step} (its log says why)")
+        if agreed == 0 and ok:
             ok, reason = False, f"another rank's part of step {staged.step} failed validation"
         return Check(ok, reason, seconds)
 
     def publish(self, staged: Staged) -> PutReceipt:
-        """The commit file, written by the coordinator; every rank learns that it was."""
+        """The commit file, written by the coordinator; every rank learns whether it was,
+        whatever the coordinator's failure."""
         writer, part = staged.handle
-        error: OSError | None = None
+        error: Exception | None = None
         try:
             if writer.is_coordinator:
                 writer.commit()
-        except OSError as e:
+        except Exception as e:
             error = e
         refused = self.first_rank_refuses(error is not None)
         if error is not None:
@@ -230,7 +281,7 @@ class ShardedTier:
 
     def _open(self, step: int, expect: str | None) -> tuple[OpenedImage, list[str]]:
         where = self.locate(step)
-        load, reader, vote, error = None, None, 1, None
+        load, reader, vote, error = None, None, _READ, None
         try:
             if step not in self.steps():
                 raise NoCheckpointError(f"{self.where}: step {step} not held ({where} is "
@@ -243,17 +294,13 @@ class ShardedTier:
                                      "the checkpoint recorded)", expect, str(part))
             load = plan_load(entries, where, saved_world_size=int(reader.manifest["world_size"]),
                              rank=self.rank, world_size=self._world_size, live=self._live)
-        except (CheckpointFormatError, OSError, NoCheckpointError) as e:
-            vote, error = 0, e
+        except CheckpointFormatError as e:
+            vote, error = _WRONG_BYTES, e
+        except (OSError, NoCheckpointError, NotLoadable) as e:
+            vote, error = _UNREADABLE, e
         except BaseException as e:
-            vote, error = -1, e
-        agreed = self._least(vote)
-        if error is not None:
-            raise error
-        if agreed == 0:
-            raise NotLoadable(f"{where}: another rank cannot read step {step}")
-        if agreed < 0:
-            raise RuntimeError(f"{where}: another rank failed to plan the load of step {step}")
+            vote, error = _FAILED, e
+        _verdict(self._least(vote), error, where, step, "plan the load of")
         assert load is not None and reader is not None
         try:
             self._dcp(lambda: dcp.load(load.state, storage_reader=reader,
@@ -261,13 +308,15 @@ class ShardedTier:
         except IntegrityError as e:  # one process's own: the item's message, with the step
             raise IntegrityError(f"step {step}: {e.key}", e.expected, e.actual,
                                  e.digest) from e
-        meta, error = None, None
+        meta, vote, error = None, _READ, None
         try:
             meta = meta_of(load, load.source, where)
         except CheckpointFormatError as e:
-            error = e
-        if self._least(int(error is None)) == 0:  # loaded everywhere, or used nowhere
-            raise error or NotLoadable(f"{where}: another rank cannot read step {step}")
+            vote, error = _WRONG_BYTES, e
+        except Exception as e:
+            vote, error = _FAILED, e
+        # Loaded everywhere, or used nowhere.
+        _verdict(self._least(vote), error, where, step, "read the meta of")
         assert meta is not None
         opened = OpenedImage(step, meta, Level(reader.manifest["level"]), where,
                              reader.bytes_read, tensor_getter(load, where))
@@ -297,8 +346,14 @@ class ShardedTier:
         self.remote.remove(entry_of(location))
 
     def labels(self, step: int) -> Mapping[str, Any]:
+        """The commit file's level and number of ranks, and, for a rank that saved a part
+        of it, the continuation that rank saved it on ("" the run's first: also a commit
+        file from before the field, as for a per-rank archive's manifest)."""
         manifest = read_manifest(self.remote, dcp_name(step))
-        return {"level": manifest["level"], "world_size": manifest["world_size"]}
+        labels = {"level": manifest["level"], "world_size": manifest["world_size"]}
+        if self.rank < int(manifest["world_size"]):
+            labels["branch"] = manifest.get("branches", {}).get(str(self.rank), "")
+        return labels
 
     def owns(self, location: str) -> bool:
         return is_dcp_entry(entry_of(location))
@@ -318,3 +373,34 @@ class ShardedTier:
 
     def close(self) -> None:
         """Nothing to release: the process group is the assembly's."""
+
+
+def _branch_code(branch: object, step: int) -> tuple[int, int, int]:
+    """A continuation id (16 hex digits, or ""/None: the run's first) as three ints a
+    collective carries: whether there is one, then its two halves."""
+    if branch is None or branch == "":
+        return 0, 0, 0
+    if not isinstance(branch, str) or not _BRANCH_ID.fullmatch(branch):
+        raise CheckpointFormatError(f"step {step}: meta branch {str(branch)[:40]!r} is not a "
+                                    "continuation id (16 hex digits)")
+    return 1, int(branch[:8], 16), int(branch[8:], 16)
+
+
+def _branch_of(code: list[int]) -> str:
+    present, high, low = code
+    return f"{high:08x}{low:08x}" if present else ""
+
+
+def _verdict(agreed: int, error: BaseException | None, where: str, step: int,
+             doing: str) -> None:
+    """Raise unless every rank could go on (``agreed``: the least verdict): this rank's own
+    error, as wrong bytes when another rank read wrong bytes, else why another could not."""
+    if agreed == _WRONG_BYTES and not isinstance(error, CheckpointFormatError):
+        raise CheckpointFormatError(f"{where}: another rank read wrong bytes of step {step} "
+                                    "(its log says which)") from error
+    if error is not None:
+        raise error
+    if agreed == _UNREADABLE:
+        raise NotLoadable(f"{where}: another rank cannot read step {step}")
+    if agreed < 0:
+        raise RuntimeError(f"{where}: another rank failed to {doing} step {step}")
