@@ -6,8 +6,8 @@ files never run on it, and the thread runs at background priority (``ckptpilot.b
 so they take few time slices from training. Priority does not decide who holds the GIL,
 though: Python this thread runs delays the training thread's return from every operator, so
 it does little of it — the event file is written by ``ckptpilot.format.tfevents``, without
-importing TensorBoard's writer (0.3 s of Python at the first save). ``close()`` drains the
-queue.
+importing TensorBoard's writer, whose import at the first save was most of the demo's loop
+overhead (bench/RESULTS.md, loop.py). ``close()`` drains the queue.
 
 Every decision goes to ``decisions_rank_{rank:05d}.jsonl``. TensorBoard gets
 ``checkpoint/score``, ``checkpoint/interval``, ``checkpoint/level`` (0 heartbeat only, 1 pulse,
@@ -77,7 +77,7 @@ class Telemetry:
     # -- telemetry thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        lower_priority()  # TensorBoard's import and protobufs take no time slice from training
+        lower_priority()  # few time slices from training (the GIL is another matter: above)
         while True:
             self._wake.wait(0.5)
             self._wake.clear()

@@ -3,12 +3,13 @@
 the data) around ``tensorboard.compat.proto``'s ``Event`` and ``Summary`` messages.
 
 Why not ``torch.utils.tensorboard.SummaryWriter``: importing it pulls in TensorBoard's
-TensorFlow stub, whose file layer imports boto3 whenever boto3 is installed — about 0.3 s
-of Python that holds the GIL. On the telemetry thread, during training, that is 0.3 s the
-training thread waits for the interpreter between two operators (a thread's priority does
-not help: the GIL is not scheduled by the kernel). The two protobuf modules import in tens of
-milliseconds. TensorBoard itself reads these files (``tests/test_tfevents.py`` reads them back
-with its ``EventAccumulator``).
+TensorFlow stub, whose file layer imports boto3 whenever boto3 is installed: a long stretch
+of Python holding the GIL. On the telemetry thread, during training, the training thread
+waits for the interpreter between two operators all that time (a thread's priority does not
+help: the GIL is not scheduled by the kernel); it was most of the demo's loop overhead
+(bench/RESULTS.md, loop.py). The two protobuf modules import in a small fraction of that.
+TensorBoard itself reads these files (``tests/test_tfevents.py`` reads them back with its
+``EventAccumulator``).
 
 Owns the bytes of one event file; nothing about what is plotted (``ckptpilot.telemetry``).
 Threading: one writer per thread.
