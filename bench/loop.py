@@ -9,9 +9,9 @@ run pays once (its first save's imports, the load-test worker's start). Each run
 ``e2e.train`` — the very loop e2e measures — in its own interpreter, variants interleaved
 (the order rotates per round), one torch thread (training leaves a core to background work,
 as a GPU job's CPU does), with torch's large allocations on transparent huge pages
-(``THP_MEM_ALLOC_ENABLE=1``): without them the MLP's median step was 71 ms in one process and
-114 ms in the next, by where its pages landed, and no variant could be ranked; with them four
-processes in a row ran at 76.9-77.3 ms.
+(``THP_MEM_ALLOC_ENABLE=1``): without them the MLP's median step moved by half from one
+process to the next, by where its pages landed, and no variant could be ranked
+(bench/RESULTS.md, "loop.py — training-loop overhead in fresh processes").
 
 Two readings of each run:
 - **wall**: the loop from the first step to ``close()`` returning, paired with the same
