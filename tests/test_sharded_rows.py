@@ -8,6 +8,7 @@ for a time; the waits have a deadline only as a safety net."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from test_sharded import (
 from ckptpilot.agreement import RankAgreement
 from ckptpilot.assembly import sharded_tier
 from ckptpilot.catalog import Catalog
+from ckptpilot.cli import main as cli_main
 from ckptpilot.dcp import Writer as DcpWriter
 from ckptpilot.dcp import dcp_name
 from ckptpilot.dcp.storage import read_manifest
@@ -185,6 +187,35 @@ def test_a_lost_database_restores_the_newest_step_of_the_current_continuation(
     for rank in range(2):
         result = json.loads((tmp_path / f"restored_{rank}.json").read_text())
         assert result == {"step": 3, "skipped": []}
+
+
+def test_a_rebuilt_database_expires_the_sharded_step_a_restore_abandoned(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    run = tmp_path / "run"
+    _run(_continuation_job, 2, tmp_path, "first")
+    kept = tmp_path / "kept"  # step 4 as a run killed before the fork's retention leaves it
+    shutil.copytree(run / "checkpoints" / dcp_name(4), kept)
+    _run(_continuation_job, 2, tmp_path, "fork")
+    shutil.copytree(kept, run / "checkpoints" / dcp_name(4))
+    for path in run.glob("metadata.sqlite*"):
+        path.unlink()
+    capsys.readouterr()
+
+    assert cli_main(["validate", "--rebuild", "--run-dir", str(run),
+                     "--config", str(tmp_path / "policy.yaml")]) == 0
+
+    out = capsys.readouterr().out
+    assert out.count("abandoned, row expired: step 4 belongs to a continuation abandoned when "
+                     "the run was restored to step 2") == 2, out
+    statuses = _statuses(tmp_path)
+    assert statuses == {(s, r): Status.EXPIRED if s == 4 else Status.VALID
+                        for s in (2, 3, 4) for r in range(2)}
+    _run(_continuation_job, 2, tmp_path, "restore")  # checks step 3's state bit for bit
+    for rank in range(2):
+        result = json.loads((tmp_path / f"restored_{rank}.json").read_text())
+        assert result == {"step": 3, "skipped": [[str(run / "checkpoints" / dcp_name(4)),
+                                                  "marked expired in the metadata store"]]}
 
 
 def test_wrong_bytes_one_rank_alone_reads_condemn_the_step_in_every_ranks_row(

@@ -213,7 +213,7 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
         for path, problem in damaged.items():
             set_aside(path, problem, f"`ckptpilot recover --step {step} --force` starts a "
                       "new record there")
-        for path in _lineage_paths(run, {rk for _, rk, _ in published}):
+        for path in _lineage_paths(run, {rk for _, rk, _ in published}).values():
             fork(path, step, f"ckptpilot recover --step {step}", reset=True)
         abandoned = []
         moves = Moves(store)
@@ -246,21 +246,21 @@ def recover(policy: Policy, *, step: int, dry_run: bool, force: bool, out: TextI
     return 0
 
 
-def _lineage_paths(run: Run, ranks: set[int]) -> list[Path]:
-    """The lineage record of every rank with a checkpoint or a record."""
+def _lineage_paths(run: Run, ranks: set[int]) -> dict[int, Path]:
+    """The lineage record of every rank with a checkpoint or a record, by rank."""
     found = set(ranks)
     for path in run.dir.glob("lineage_rank_*.jsonl"):
         rank = path.stem.rsplit("_", 1)[1]
         if rank.isdigit():
             found.add(int(rank))
-    return [lineage_path(run.dir, rank) for rank in sorted(found)]
+    return {rank: lineage_path(run.dir, rank) for rank in sorted(found)}
 
 
 def _damaged_lineages(run: Run, ranks: set[int], force: bool) -> dict[Path, str]:
     """The lineage records that cannot be read, with why; raises the first one's
     ``LineageError`` unless ``force``."""
     damaged = {}
-    for path in _lineage_paths(run, ranks):
+    for path in _lineage_paths(run, ranks).values():
         try:
             read_lineage(path)
         except LineageError as e:
@@ -390,9 +390,11 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
     unknown: list[str] = []
     if rebuild:
         run.run_id = run_identity(run.dir)
-        # Before anything moves: a damaged record stops the rebuild.
-        lineages = {rank: read_lineage(lineage_path(run.dir, rank))
-                    for _, rank, _ in run.published()}
+        # Before anything moves: a damaged record stops the rebuild. Every record there is,
+        # so also those of the ranks of the sharded checkpoints; a rank without one has
+        # never restored (its record reads as no fork).
+        lineages = {rank: read_lineage(path) for rank, path in
+                    _lineage_paths(run, {rk for _, rk, _ in run.published()}).items()}
         if os.path.lexists(run.db_path):
             label = "damaged" if _is_damaged(run.db_path) else "before-rebuild"
             aside = _set_aside(run.db_path, label)
@@ -416,25 +418,24 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
             row = store.get(key)
             if row is None and rebuild and manifest is not None:
                 row = _row_from_manifest(store, run, manifest, name)
-                try:
-                    why = lineages[rank].why_abandoned(manifest.get("branch"), step)
-                except UnknownContinuationError as e:
-                    unknown.append(f"{name}: {e}")
-                    why = None
-                if why is not None:
-                    row = Moves(store).expire_rebuilt(row.key, f"abandoned: {why}")
-                    reason = f"{reason}; abandoned, row expired: {why}"
+                row, reason = _expire_abandoned(store, row, run, lineages,
+                                                manifest.get("branch"), name, reason, unknown)
             _settle(store, row, result_ok, reason, dry_run, would_mark)
             bad += not result_ok
             table.append((step, rank, "-" if manifest is None else manifest["level"],
                           "ok" if result_ok else "CORRUPTED", reason))
         for check in check_published(store, run.run_id, run.remote, rebuild=rebuild):
             row = store.get(CheckpointKey(run.run_id, check.step, check.rank, Tier.REMOTE))
+            reason = check.reason
             if row is not None and Run.entry(row) == check.name:  # not another save's row
-                _settle(store, row, check.ok, check.reason, dry_run, would_mark)
+                if rebuild and check.branch is not None and row.status is Status.PENDING:
+                    row, reason = _expire_abandoned(store, row, run, lineages, check.branch,
+                                                    f"{check.name} rank {check.rank}", reason,
+                                                    unknown)
+                _settle(store, row, check.ok, reason, dry_run, would_mark)
             bad += not check.ok
             table.append((check.step, check.rank, check.level,
-                          "ok" if check.ok else "CORRUPTED", check.reason))
+                          "ok" if check.ok else "CORRUPTED", reason))
         if rebuild:
             store.audit("rebuild", {"checkpoints": len(table), "corrupted": bad})
     finally:
@@ -453,6 +454,25 @@ def _validate(policy: Policy, run: Run, *, rebuild: bool, out: TextIO, dry_run: 
         print(f"dry run: would mark {would_mark[Status.CORRUPTED]} row(s) corrupted and "
               f"{would_mark[Status.VALID]} pending row(s) valid; nothing changed", file=out)
     return 1 if bad else 0
+
+
+def _expire_abandoned(store: MetadataStore, row: CheckpointRow, run: Run,
+                      lineages: dict[int, Lineage], branch: object, name: str, reason: str,
+                      unknown: list[str]) -> tuple[CheckpointRow, str]:
+    """A rebuilt row of a checkpoint saved on a continuation a restore abandoned (its rank's
+    lineage record says so) is expired, as the lost database had it; one saved on a
+    continuation the record does not know is noted in ``unknown`` and kept. A rank with no
+    record in ``lineages`` has none on disk (all were read before the rebuild began)."""
+    lineage = lineages.get(row.rank) or Lineage(lineage_path(run.dir, row.rank), ())
+    try:
+        why = lineage.why_abandoned(branch, row.step)
+    except UnknownContinuationError as e:
+        unknown.append(f"{name}: {e}")
+        return row, reason
+    if why is None:
+        return row, reason
+    return (Moves(store).expire_rebuilt(row.key, f"abandoned: {why}"),
+            f"{reason}; abandoned, row expired: {why}")
 
 
 def _settle(store: MetadataStore, row: CheckpointRow | None, ok: bool, reason: str,

@@ -207,7 +207,10 @@ def retire_step(store: MetadataStore, run_id: str, run_dir: Path, tier: RemoteTi
 @dataclass(frozen=True)
 class PartCheck:
     """The verdict on one rank's part of a published DCP checkpoint (``ckptpilot validate``):
-    a checkpoint is verified as a whole, so every rank of one gets the same verdict."""
+    a checkpoint is verified as a whole, so every rank of one gets the same verdict.
+    ``branch``: the continuation the rank saved its part on, as its commit file says ("" the
+    run's first, also for a commit file from before ``branches``; None when the commit file
+    cannot be read), which tells a rebuild whether a restore abandoned the part."""
 
     step: int
     rank: int
@@ -215,6 +218,7 @@ class PartCheck:
     level: str
     ok: bool
     reason: str
+    branch: str | None = None
 
 
 def check_published(store: MetadataStore, run_id: str, tier: RemoteTier, *,
@@ -233,13 +237,19 @@ def check_published(store: MetadataStore, run_id: str, tier: RemoteTier, *,
             ok, reason = True, "ok (hashes only)" + _pickled_note(tier, name, manifest)
         except CheckpointFormatError as e:
             ok, reason = False, str(e)
+        branches: dict[int, str | None]
         if manifest is None:
-            ranks, level = sorted({row.rank for row in rows}), "-"
+            branches = dict.fromkeys(sorted({row.rank for row in rows}))
+            level = "-"
         else:
-            ranks, level = list(range(int(manifest["world_size"]))), str(manifest["level"])
+            saved_on = manifest.get("branches", {})
+            branches = {rank: saved_on.get(str(rank), "")
+                        for rank in range(int(manifest["world_size"]))}
+            level = str(manifest["level"])
             if rebuild:
                 _add_rows(store, run_id, tier, name, manifest, {row.rank for row in rows})
-        checks.extend(PartCheck(step, rank, name, level, ok, reason) for rank in ranks)
+        checks.extend(PartCheck(step, rank, name, level, ok, reason, branch)
+                      for rank, branch in branches.items())
     return checks
 
 
