@@ -446,6 +446,23 @@ def test_the_commit_file_format_is_pinned_and_reads_back_as_dcp_metadata() -> No
         decode_manifest(tampered, "pinned")
 
 
+@pytest.mark.parametrize("branches", [["a", "b"], {"0": 7}, {"rank0": "a"}, "a"])
+def test_a_commit_file_whose_branches_are_not_rank_to_id_is_refused_naming_it(
+        branches: object) -> None:
+    def redigested(manifest: dict) -> bytes:  # as a forger would: the digest is the file's own
+        body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+        manifest["self_sha256"] = hashlib.sha256(
+            json.dumps(body, sort_keys=True).encode()).hexdigest()
+        return encode_manifest(manifest)
+
+    manifest = decode_manifest(_pinned_manifest(), "pinned")
+    manifest["branches"] = branches
+    with pytest.raises(CheckpointFormatError, match=r"crafted: 'branches' must map"):
+        decode_manifest(redigested(manifest), "crafted")
+    manifest["branches"] = {"0": "", "1": "3f2a"}
+    assert decode_manifest(redigested(manifest), "fine")["branches"] == {"0": "", "1": "3f2a"}
+
+
 def test_a_version_1_commit_file_still_reads_but_its_pickled_value_is_refused_naming_it(
         ) -> None:
     manifest = decode_manifest(MANIFEST_V1.read_bytes(), "v1")

@@ -302,9 +302,18 @@ def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
 
 def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     """The commit file in ``raw``, checked for format, version and its own digest (a
-    mismatch raises ``IntegrityError``, any other fault ``CheckpointFormatError``)."""
-    return decode_self_digested(raw, where, fmt=DCP_FORMAT, version=DCP_READABLE_VERSIONS,
-                                digest=_digest)
+    mismatch raises ``IntegrityError``, any other fault ``CheckpointFormatError``), and its
+    ``branches``, if any, a map of rank numbers to continuation ids: the digest is the file's
+    own, so a crafted file passes it, and a rebuild or a restore reads these as they are."""
+    manifest = decode_self_digested(raw, where, fmt=DCP_FORMAT,
+                                    version=DCP_READABLE_VERSIONS, digest=_digest)
+    branches = manifest.get("branches", {})
+    if not (isinstance(branches, dict)
+            and all(isinstance(k, str) and k.isdecimal() and isinstance(v, str)
+                    for k, v in branches.items())):
+        raise CheckpointFormatError(f"{where}: 'branches' must map rank numbers to "
+                                    f"continuation ids, got {branches!r:.200}")
+    return manifest
 
 
 def manifest_items(manifest: Mapping[str, Any], where: str) -> dict[MetadataIndex, ItemRecord]:
