@@ -14,19 +14,19 @@ the output prints). Sections:
    forced ``organ`` saves to the local run directory; and forced ``pulse`` saves),
    ``torch.save`` + fsync, safetensors ``save_file`` + fsync, ``torch.distributed.checkpoint``
    ``save`` and ``async_save`` (one process, no process group; the state dicts from
-   ``get_state_dict``). Per save: the *stall* (seconds the calling thread is blocked), *time
-   to durable* (the pilot: until ``flush()`` returns and the save's ``SaveRecord`` is
-   ``valid``; DCP async: until its future resolves; the others: the stall), the bytes of the
-   published files; then restores into fresh objects, each checked bit for bit (integer views
-   of every parameter and optimizer tensor): *cold* after each of the save's files was
-   fsynced and dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; ``mincore``
-   says how much stayed resident), *warm* right after. The pilot restores with a fresh
-   ``CheckpointPilot`` on the run directory (its memory tier is empty, so it reads the remote
-   tier and re-hashes every byte). Every method saves ``--rounds`` + 2 times, the methods in
-   an order that rotates each round; the table shows medians of the last ``--rounds`` (the
-   pilot's memory tier keeps the newest snapshot's buffers, so its first two saves allocate
-   a buffer set each) and the first save of each pilot apart (the load-test worker started
-   with the pilot may not be ready yet).
+   ``get_state_dict``). Per save: the *stall* (seconds the calling thread is blocked), *time to
+   durable* (the pilot: until ``flush()`` returns and the save's ``SaveRecord`` is ``valid``; DCP
+   async: until its future resolves; the others: the stall), the bytes of the published files; then
+   restores into fresh objects, each checked bit for bit (integer views of every parameter and
+   optimizer tensor): *cold* after each of the save's files was fsynced and dropped from the page
+   cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; ``mincore`` says how much stayed resident),
+   *warm* after each file was read once into the page cache (the pilot reads cold files with
+   ``O_DIRECT``, which caches nothing). The pilot restores with a fresh ``CheckpointPilot`` on the
+   run directory (its memory tier is empty, so it reads the remote tier and re-hashes every byte).
+   Every method saves ``--rounds`` + 2 times, the methods in an order that rotates each round; the
+   table shows medians of the last ``--rounds`` (the pilot's memory tier keeps the newest
+   snapshot's buffers, so its first two saves allocate a buffer set each) and the first save of
+   each pilot apart (the load-test worker started with the pilot may not be ready yet).
 3. **Memory and CPU** of each method in a fresh process (one per method, started before this
    process builds its state): the process's peak RSS (``VmHWM``, reset through
    ``/proc/self/clear_refs`` once the state was built and the method constructed) minus its
@@ -255,6 +255,21 @@ def resident_pages(path: Path) -> tuple[int, int]:
             LIBC.munmap(ctypes.c_void_p(addr), size)
     finally:
         os.close(fd)
+
+
+def cache_files(paths: Sequence[Path]) -> float:
+    """Read each file once, buffered, so that its pages are in the page cache (a *warm* read:
+    the pilot reads a cold file with ``O_DIRECT``, which leaves nothing cached behind it, so a
+    second read is not warm by itself); returns the share of their pages resident after."""
+    resident = total = 0
+    scratch = bytearray(16 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(scratch):
+                pass
+        r, t = resident_pages(path)
+        resident, total = resident + r, total + t
+    return resident / total if total else 1.0
 
 
 def drop_cached(paths: Sequence[Path]) -> float:
@@ -816,6 +831,7 @@ class MethodResult:
     cold: list[float] = field(default_factory=list)
     warm: list[float] = field(default_factory=list)
     cold_resident: list[float] = field(default_factory=list)
+    warm_resident: list[float] = field(default_factory=list)
 
     @property
     def first(self) -> Timing:
@@ -864,6 +880,7 @@ def side_by_side(state: State, layout: Layout, workdir: Path, sizes: Sizes
             res.cold.append(took)
             check_state(restored, state, f"{m.label}, cold restore {r}")
             del restored
+            res.warm_resident.append(cache_files(m.files()))
             gc.collect()
             took, restored = m.restore()
             res.warm.append(took)
@@ -1236,7 +1253,10 @@ def print_state(results: dict[str, MethodResult], profiles: dict[str, Profile],
     resident = max(r for res in results.values() for r in res.cold_resident)
     print(f"cold restores: every file of the save fsynced and dropped with posix_fadvise "
           f"DONTNEED; afterwards at most {resident:.1%} of a save's pages were still cached "
-          "(mincore). The host of a VM may still cache them: see the hardware cold read.")
+          "(mincore). The host of a VM may still cache them: see the hardware cold read. "
+          "Warm restores: every file read once before, buffered; afterwards at least "
+          f"{min(r for res in results.values() for r in res.warm_resident):.1%} of a save's "
+          "pages were cached.")
     for res in results.values():
         if not res.saves:
             print(f"- {res.label}: restore cold (s) {secs(res.cold)}; warm (s) "

@@ -4,7 +4,8 @@ One state (``--gb``, the same 4096-wide Linear layers + AdamW as e2e.py) is save
 pilot organ (memory tier off, so every restore reads the remote tier) and once with
 ``torch.save`` + fsync. Then, for ``--rounds`` rounds in a rotated order, each method restores
 it into fresh, uninitialised objects, cold (every file of the save fsynced and dropped from
-the page cache with ``POSIX_FADV_DONTNEED``) and warm (right after):
+the page cache with ``POSIX_FADV_DONTNEED``) and warm (every file read once before, buffered:
+a cold read with ``O_DIRECT`` leaves nothing in the page cache):
 
 - ``torch.load``: ``torch.load(weights_only=True)`` + ``load_state_dict`` (verifies nothing);
 - ``pilot, verify_reads: sha256`` / ``xxh3``: a fresh ``CheckpointPilot``'s ``restore()``
@@ -13,7 +14,10 @@ the page cache with ``POSIX_FADV_DONTNEED``) and warm (right after):
   same 8 MiB ``pread`` on the read threads into the same kind of fresh buffer with the same
   ``POSIX_FADV_WILLNEED`` window ahead, nothing hashed: the floor of any verified read), the
   same without the window or into ``np.empty`` (how the tier read before), and
-  ``read_verified`` by each digest.
+  ``read_verified`` by each digest;
+- ``the disk's ceiling``: the tensors file read with ``O_DIRECT`` (no page cache: warm reads
+  the disk too) on 4 threads into a buffer faulted in before the clock starts. No reader of
+  these bytes, ``torch.load`` included, can be much faster cold on this machine.
 
 Each row: median wall seconds, the ratio to ``torch.load``'s median of the same run (above 1 =
 faster), and median user + system CPU seconds of the process (all threads; ``getrusage``).
@@ -26,18 +30,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import mmap
 import os
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
 
 import numpy as np
 import torch
-from e2e import drop_cached
+from e2e import cache_files, drop_cached
 from scratch import DEFAULT_DIR, scratch_dir
 from stall import Layout, State, assert_same, build_state, fresh_state, state_nbytes
 
@@ -96,6 +102,8 @@ class Row:
     def measure(self, state: str, reference: State) -> None:
         if state == "cold":
             drop_cached(self.files)
+        else:
+            cache_files(self.files)
         gc.collect()
         result: list[tuple[State | None, Measured | None]] = []
         whole = measured(lambda: result.append(self.run()))
@@ -200,6 +208,29 @@ def main() -> None:
                 return None, None
             return run
 
+        def disk_ceiling() -> tuple[None, Measured]:
+            size = -(-int(rec["bytes"]) // 4096) * 4096  # O_DIRECT reads whole blocks
+            area = mmap.mmap(-1, size)
+            view = memoryview(area)
+            np.frombuffer(area, np.uint8)[:] = 1  # fault every page before the clock
+            fd = os.open(tensors_file[0], os.O_RDONLY | os.O_DIRECT)
+
+            def one(begin: int) -> None:
+                end = min(begin + (8 << 20), size)
+                got = 0
+                while got < end - begin:
+                    n = os.preadv(fd, [view[begin + got:end]], begin + got)
+                    if not n:
+                        return  # the file ends inside its last block
+                    got += n
+            try:
+                with ThreadPoolExecutor(4) as pool:
+                    return None, measured(lambda: list(pool.map(one, range(0, size, 8 << 20))))
+            finally:
+                os.close(fd)
+                view.release()
+                area.close()
+
         rows = [Row("torch.load (weights_only=True) + load_state_dict", [torch_file],
                     torch_restore),
                 Row("pilot restore, verify_reads: sha256", organ, pilot_restore("sha256")),
@@ -213,7 +244,9 @@ def main() -> None:
                 Row("phase: read_verified, sha256 (tensors file)", tensors_file,
                     read_verified("sha256")),
                 Row("phase: read_verified, xxh3 (tensors file)", tensors_file,
-                    read_verified("xxh3"))]
+                    read_verified("xxh3")),
+                Row("the disk's ceiling: O_DIRECT pread, 4 threads, buffer faulted in before "
+                    "the clock (tensors file)", tensors_file, disk_ceiling)]
         for r in range(args.rounds):
             k = r % len(rows)
             for row in [*rows[k:], *rows[:k]]:

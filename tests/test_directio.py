@@ -1,10 +1,12 @@
-"""Durable local writes skip the page cache for whole buffers and keep every byte."""
+"""Durable local writes skip the page cache for whole buffers and keep every byte; cold reads
+skip it too, and read every byte, verified."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +14,17 @@ import pytest
 import torch
 
 from ckptpilot.capture.state import TrainingComponents, capture
+from ckptpilot.errors import IntegrityError
 from ckptpilot.format.digest import is_chunked
 from ckptpilot.hostmem import fresh_bytes
 from ckptpilot.tiers.remote.archive import TENSORS_FILE, stage_organ
-from ckptpilot.tiers.remote.directio import ALIGN, BUFFER_BYTES, ZERO_COPY_BYTES, DirectWriter
+from ckptpilot.tiers.remote.directio import (
+    ALIGN,
+    BUFFER_BYTES,
+    ZERO_COPY_BYTES,
+    DirectReader,
+    DirectWriter,
+)
 from ckptpilot.tiers.remote.store import RemoteTier
 
 
@@ -136,3 +145,107 @@ def test_an_organ_is_laid_out_for_the_zero_copy_write(tmp_path: Path) -> None:
     (header_len,) = struct.unpack_from("<Q", raw)
     assert (8 + header_len) % ALIGN == 0
     assert raw[8 + header_len:] == snapshot.arena.numpy().tobytes()
+
+
+def _cold_file(path: Path, data: bytes) -> None:
+    """``data`` written, fsynced, and its pages dropped from the page cache, as a durable
+    checkpoint's are."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _pieces(size: int, step: int) -> list[tuple[int, int]]:
+    return [(begin, min(begin + step, size)) for begin in range(0, size, step)]
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_a_cold_file_is_read_direct_and_every_byte_arrives(where: str, tmp_path: Path) -> None:
+    """Pieces read by four threads at once, the last one ending off the block grid: on a disk the
+    aligned bodies come with O_DIRECT, the tail buffered, and the buffer holds the file."""
+    directory = tmp_path if where == "disk" else Path("/dev/shm")
+    if not directory.is_dir():
+        pytest.skip("no /dev/shm")
+    target = directory / f"ckptpilot-directread-{os.getpid()}.bin"
+    data = b"".join(_payload())  # 2 buffers + 4 MiB + 27 bytes: not a whole number of blocks
+    try:
+        _cold_file(target, data)
+        buf = fresh_bytes(len(data))
+        with DirectReader(str(target)) as reader, ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda r: reader.read(memoryview(buf)[r[0]:r[1]], r[0]),
+                          _pieces(len(data), 3 << 20)))
+        assert buf.tobytes() == data
+        if where == "disk" and _direct_supported(directory):
+            assert reader.direct_bytes == len(data) // ALIGN * ALIGN
+        else:  # tmpfs: the file lives in the page cache, which nothing drops
+            assert reader.direct_bytes == 0
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def test_a_file_in_the_page_cache_is_read_buffered(tmp_path: Path) -> None:
+    """A file read moments ago is copied out of the page cache, not read from the disk again."""
+    target = tmp_path / "warm.bin"
+    data = b"".join(_payload())
+    target.write_bytes(data)
+    assert target.read_bytes() == data  # every page resident
+    buf = fresh_bytes(len(data))
+    with DirectReader(str(target)) as reader:
+        reader.read(memoryview(buf), 0)
+    assert buf.tobytes() == data
+    assert reader.direct_bytes == 0 and not reader.direct
+
+
+def test_memory_not_aligned_like_the_file_is_read_buffered(tmp_path: Path) -> None:
+    if not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    target = tmp_path / "cold.bin"
+    data = b"".join(_payload())
+    _cold_file(target, data)
+    buf = fresh_bytes(len(data) + 1)
+    with DirectReader(str(target)) as reader:
+        assert reader.direct
+        reader.read(memoryview(buf)[1:], 0)  # byte k of the file lands at address k + 1
+        assert reader.direct_bytes == 0
+        reader.read(memoryview(buf)[:len(data)], 0)
+        assert reader.direct_bytes == len(data) // ALIGN * ALIGN
+    assert buf[:len(data)].tobytes() == data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_file_shorter_than_the_piece_is_an_error_naming_it(direct: bool,
+                                                             tmp_path: Path) -> None:
+    target = tmp_path / "short.bin"
+    _cold_file(target, b"s" * (5 * ALIGN + 100))
+    buf = fresh_bytes(8 * ALIGN)
+    with (DirectReader(str(target), direct=direct) as reader,
+          pytest.raises(OSError, match=r"short\.bin: file ends 12188 bytes early")):
+        reader.read(memoryview(buf), 0)
+    assert buf[:5 * ALIGN + 100].tobytes() == b"s" * (5 * ALIGN + 100)
+    assert reader.direct_bytes == (5 * ALIGN + 100 if direct and _direct_supported(tmp_path)
+                                   else 0)
+
+
+def test_the_remote_tier_reads_a_cold_record_direct_and_still_finds_a_flipped_byte(
+        tmp_path: Path) -> None:
+    """read_verified and verify on a cold file: O_DIRECT reads, every chunk checked against
+    the record; one byte changed on disk afterwards is an IntegrityError naming its chunk."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    (tmp_path / "ckpt").mkdir()
+    tier = RemoteTier(str(tmp_path / "ckpt"), verify_reads="xxh3")
+    pieces = [os.urandom(3 << 20) for _ in range(7)] + [b"tail"]
+    data = b"".join(pieces)
+    record = tier.write_record("a.bin", pieces)
+    where = tmp_path / "ckpt" / "a.bin"
+    _cold_file(where, where.read_bytes())
+    assert tier.read_verified("a.bin", record).tobytes() == data
+    tier.verify("a.bin", record)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    _cold_file(where, bytes(flipped))
+    for check in (tier.read_verified, tier.verify):  # the byte is in the second 8 MiB chunk
+        with pytest.raises(IntegrityError, match=r"a\.bin bytes \[8388608, 16777216\)"):
+            check("a.bin", record)

@@ -98,18 +98,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools_in_a_forked_child)
 
 
+READ_THREADS = 4
+"""Threads that read and hash for a restore or a validation someone waits for, whatever the
+number of cores: a local read goes to the disk with ``O_DIRECT`` (``tiers/remote/directio.py``)
+and waits for it without a core, so four reads in flight keep the device busy where two cores
+would leave it idle between them (bench/RESULTS.md, "restore.py — cold reads with O_DIRECT")."""
+
+
 def hash_pool(*, background: bool = True) -> ThreadPoolExecutor:
-    """The process's hashing threads (at most 4, fewer on smaller machines). ``background``
-    (a save): at background priority, the cores are training's first. Not (a restore, a
-    validation someone waits for): at the caller's priority — training is waiting for it, and
-    niced threads on a busy machine would make a restore many times slower."""
+    """The process's hashing threads. ``background`` (a save): at most 4, fewer on smaller
+    machines, at background priority, the cores are training's first. Not (a restore, a
+    validation someone waits for): :data:`READ_THREADS`, at the caller's priority — training is
+    waiting for it, and niced threads on a busy machine would make a restore many times
+    slower."""
     pools = _POOLS
     with pools.lock:
         if background not in pools.by_kind:
-            workers = max(1, min(4, os.cpu_count() or 1))
-            pools.by_kind[background] = (background_pool(workers, "ckptpilot-hash")
-                                         if background
-                                         else ThreadPoolExecutor(workers, "ckptpilot-read"))
+            pools.by_kind[background] = (
+                background_pool(max(1, min(4, os.cpu_count() or 1)), "ckptpilot-hash")
+                if background else ThreadPoolExecutor(READ_THREADS, "ckptpilot-read"))
         return pools.by_kind[background]
 
 

@@ -1,4 +1,4 @@
-"""Durable local writes that bypass the page cache (``O_DIRECT``), for the bulk of a file.
+"""Local writes and reads that bypass the page cache (``O_DIRECT``), for the bulk of a file.
 
 A checkpoint is written once and read only after a failure, so caching it buys nothing, and
 the page cache is where a buffered write spends most of its time on a VM: the kernel finds and
@@ -18,7 +18,18 @@ touches take memory. A file system that refuses ``O_DIRECT`` (tmpfs, some FUSE a
 mounts) gets ordinary buffered writes. Durability is unchanged: the caller still fsyncs (the
 tail and the file's size are in the page cache until then).
 
-Threading: one writer per file, used by one thread.
+:class:`DirectReader` is the read side. A restore reads a checkpoint cold (its pages were
+dropped after the write), and a buffered read of a cold file has the kernel fill page-cache
+pages and then copy them into the caller's buffer, on the restore's critical path; with
+``O_DIRECT`` the device fills the caller's buffer itself. A file read moments ago is faster to
+copy out of the page cache, so the reader asks once, as it opens the file, which of its pages
+are resident (``mincore(2)`` on a mapping that touches none), and reads a piece with ``O_DIRECT``
+only where some of its pages are not (bench/RESULTS.md, "restore.py — cold reads with
+O_DIRECT"). A buffered ``RWF_NOWAIT`` probe would not do: on a miss it starts the readahead,
+and the file is read twice.
+
+Threading: one writer per file, used by one thread; one reader per file, used by any number
+of threads at once (each reading its own pieces).
 """
 
 from __future__ import annotations
@@ -29,11 +40,14 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 from typing import IO
+
+import numpy as np
 
 log = logging.getLogger("ckptpilot")
 
-__all__ = ["ALIGN", "BUFFER_BYTES", "ZERO_COPY_BYTES", "DirectWriter"]
+__all__ = ["ALIGN", "BUFFER_BYTES", "ZERO_COPY_BYTES", "DirectReader", "DirectWriter"]
 
 ALIGN = 4096
 """What ``O_DIRECT`` needs of addresses, lengths and offsets: a multiple of every logical block
@@ -185,6 +199,146 @@ class DirectWriter:
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
+
+
+class DirectReader:
+    """Reads pieces of the local file ``path`` into memory congruent with it (:meth:`read`);
+    use as a context manager. ``direct=False``: buffered reads only (the caller's choice, and
+    what a file system that refuses ``O_DIRECT`` gets)."""
+
+    def __init__(self, path: str, *, direct: bool = True) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        self._direct_fd: int | None = None
+        self._resident: np.ndarray | None = None
+        self._use_direct = False
+        self._lock = threading.Lock()
+        self.direct_bytes = 0
+        """How many bytes came with ``O_DIRECT`` (for tests and benchmarks)."""
+        try:
+            if direct and _O_DIRECT and _LIBC is not None:
+                self._resident = _resident_pages(self._fd, os.fstat(self._fd).st_size)
+                if self._resident is not None and not self._resident.all():
+                    self._direct_fd = _open_direct(path)
+            self._use_direct = self._direct_fd is not None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def direct(self) -> bool:
+        """Whether pieces not in the page cache go with ``O_DIRECT``."""
+        return self._use_direct
+
+    def __enter__(self) -> DirectReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fileno(self) -> int:
+        """The buffered descriptor (for ``posix_fadvise``)."""
+        return self._fd
+
+    def close(self) -> None:
+        self._use_direct = False
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._fd, self._direct_fd = -1, None
+
+    def read(self, piece: memoryview, offset: int) -> None:
+        """Fill ``piece`` with the file's bytes from ``offset``; ``OSError`` naming the file when
+        it ends first. The aligned body of a piece whose address is congruent with ``offset``
+        modulo :data:`ALIGN` and whose pages are not all resident comes with ``O_DIRECT``; its
+        unaligned head and tail, and every other piece, with ordinary reads."""
+        head, body = self._direct_span(piece, offset)
+        done = 0
+        if body:
+            done = head + self._read_direct(piece[head:head + body], offset + head)
+            self._read_buffered(piece[:head], offset)
+        self._read_buffered(piece[done:], offset + done)
+
+    def _direct_span(self, piece: memoryview, offset: int) -> tuple[int, int]:
+        """(head, body): the piece's bytes before its first aligned offset, and the length of
+        its aligned body; body 0 when the piece goes buffered."""
+        if not self._use_direct or self._resident is None or len(piece) < 2 * ALIGN:
+            return 0, 0
+        page = mmap.PAGESIZE
+        if self._resident[offset // page:(offset + len(piece) - 1) // page + 1].all():
+            return 0, 0
+        address = _address(piece)
+        if address is None or (address - offset) % ALIGN:
+            return 0, 0
+        head = -offset % ALIGN
+        return head, (len(piece) - head) // ALIGN * ALIGN
+
+    def _read_direct(self, view: memoryview, offset: int) -> int:
+        """Read ``view`` (aligned) with ``O_DIRECT``; how much of it arrived (less at the end
+        of the file, 0 when the file system refuses it: buffered from then on)."""
+        assert self._direct_fd is not None
+        got = 0
+        try:
+            while got < len(view):
+                n = os.preadv(self._direct_fd, [view[got:]], offset + got)
+                got += n
+                if not n or n % ALIGN:  # the end of the file
+                    break
+        except OSError as e:  # accepted by open(2), refused by the read
+            if e.errno != errno.EINVAL:
+                raise
+            log.debug("O_DIRECT reads refused for %s: buffered reads", self.path)
+            self._use_direct = False
+        with self._lock:
+            self.direct_bytes += got
+        return got
+
+    def _read_buffered(self, view: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(self._fd, [view[got:]], offset + got)
+            if not n:
+                raise OSError(f"{self.path}: file ends {len(view) - got} bytes early")
+            got += n
+
+
+def _open_direct(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | _O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    """The C library the interpreter runs on (its symbols are the process's: no search, which
+    ``ctypes.util.find_library`` would do by running ``ldconfig``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "mincore"):
+        return None
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+_LIBC = _load_libc() if _O_DIRECT else None
+
+
+def _resident_pages(fd: int, size: int) -> np.ndarray | None:
+    """One flag per page of the file (1: in the page cache); None where it cannot be known
+    (an empty file, a failed ``mincore``). The private mapping is only looked at, so it reads
+    no page and takes no memory."""
+    if size == 0 or _LIBC is None:
+        return None
+    pages = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
+    area = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        start = ctypes.c_char.from_buffer(area)
+        failed = _LIBC.mincore(ctypes.addressof(start), size, pages.ctypes.data)
+        del start  # the mapping cannot close while ctypes holds it
+    finally:
+        area.close()
+    return None if failed else pages & 1
 
 
 def _address(view: memoryview) -> int | None:

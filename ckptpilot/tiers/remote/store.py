@@ -61,7 +61,7 @@ from ckptpilot.format.digest import (
 )
 from ckptpilot.hostmem import fresh_bytes
 from ckptpilot.tiers.remote import entries
-from ckptpilot.tiers.remote.directio import DirectWriter
+from ckptpilot.tiers.remote.directio import DirectReader, DirectWriter
 from ckptpilot.tiers.remote.entries import COMMIT_FILE, STAGING_MARK
 from ckptpilot.tiers.remote.retry import (
     NO_RETRIES,
@@ -296,16 +296,13 @@ class RemoteTier:
             digest = read_digest(rec, self.verify_reads)
             ranges = chunk_ranges(rec, where, digest)
             if self.is_local:
-                fd = os.open(where, os.O_RDONLY)
-                try:
-                    _will_need(fd, 0, min(len(view), _READ_AHEAD_BYTES))
+                with DirectReader(where) as reader:
+                    _will_need(reader, 0, min(len(view), _READ_AHEAD_BYTES))
                     for _ in _readers().map(
-                            lambda r: _pread_checked(fd, view, *r, where, digest=digest,
+                            lambda r: _pread_checked(reader, view, *r, where, digest=digest,
                                                      ahead=len(view)),
                             ranges):
                         pass
-                finally:
-                    os.close(fd)
                 return buf
             with self.open_read(relpath) as f:
                 pending = []
@@ -345,19 +342,16 @@ class RemoteTier:
             return
         ranges = chunk_ranges(rec, where)
         if self.is_local:
-            fd = os.open(where, os.O_RDONLY)
-            try:
-                _will_need(fd, 0, min(int(rec["bytes"]), _READ_AHEAD_BYTES))
+            with DirectReader(where) as reader:
+                _will_need(reader, 0, min(int(rec["bytes"]), _READ_AHEAD_BYTES))
 
                 def one(r: tuple[int, int, str]) -> None:
                     begin, end, sha = r
                     scratch = memoryview(fresh_bytes(end - begin))
-                    _pread_checked(fd, scratch, 0, end - begin, sha, where, at=begin,
+                    _pread_checked(reader, scratch, 0, end - begin, sha, where, at=begin,
                                    ahead=int(rec["bytes"]))
                 for _ in _readers().map(one, ranges):
                     pass
-            finally:
-                os.close(fd)
             return
         with self.open_read(relpath) as f:
             pending: list[Any] = []
@@ -484,9 +478,10 @@ def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
         got += n
 
 
-def _will_need(fd: int, begin: int, end: int) -> None:
+def _will_need(reader: DirectReader, begin: int, end: int) -> None:
     """Ask the kernel to start reading file bytes ``[begin, end)`` into the page cache
-    (``POSIX_FADV_WILLNEED``, where the OS has it).
+    (``POSIX_FADV_WILLNEED``, where the OS has it), unless ``reader`` reads the pages that are
+    not there with ``O_DIRECT`` (``tiers/remote/directio.py``), which needs no readahead.
 
     A local chunked read asks for the first ``_READ_AHEAD_BYTES`` as it opens the file, and
     each chunk's read for the chunk that far further on. Chunks read by several threads at once
@@ -494,13 +489,13 @@ def _will_need(fd: int, begin: int, end: int) -> None:
     file not in the page cache (every durable checkpoint: ``_drop_from_page_cache``) is read
     in small synchronous pieces, each ``pread`` waiting on the disk (bench/RESULTS.md,
     "Restore: where its time goes")."""
-    if hasattr(os, "posix_fadvise") and begin < end:
-        os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+    if hasattr(os, "posix_fadvise") and begin < end and not reader.direct:
+        os.posix_fadvise(reader.fileno(), begin, end - begin, os.POSIX_FADV_WILLNEED)
 
 
-def _pread_checked(fd: int, view: memoryview, begin: int, end: int, expected: str, where: str,
-                   *, at: int | None = None, digest: ReadDigest = "sha256",
-                   ahead: int | None = None) -> None:
+def _pread_checked(reader: DirectReader, view: memoryview, begin: int, end: int,
+                   expected: str, where: str, *, at: int | None = None,
+                   digest: ReadDigest = "sha256", ahead: int | None = None) -> None:
     """Read file bytes ``[at, at + end - begin)`` (``at`` defaults to ``begin``) into
     ``view[begin:end]`` and check them against ``expected``, a ``digest`` hex digest. With
     ``ahead`` (the file's size), first ask for the bytes ``_READ_AHEAD_BYTES`` further on
@@ -508,12 +503,7 @@ def _pread_checked(fd: int, view: memoryview, begin: int, end: int, expected: st
     offset = begin if at is None else at
     if ahead is not None:
         far = offset + _READ_AHEAD_BYTES
-        _will_need(fd, far, min(ahead, far + end - begin))
+        _will_need(reader, far, min(ahead, far + end - begin))
     piece = view[begin:end]
-    got = 0
-    while got < len(piece):
-        n = os.preadv(fd, [piece[got:]], offset + got)
-        if not n:
-            raise OSError(f"{where}: file ends {len(piece) - got} bytes early")
-        got += n
+    reader.read(piece, offset)
     check_chunk(piece, offset, offset + len(piece), expected, where, digest)
