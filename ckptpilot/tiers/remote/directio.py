@@ -326,16 +326,20 @@ _LIBC = _load_libc() if _O_DIRECT else None
 
 def _resident_pages(fd: int, size: int) -> np.ndarray | None:
     """One flag per page of the file (1: in the page cache); None where it cannot be known
-    (an empty file, a failed ``mincore``). The private mapping is only looked at, so it reads
-    no page and takes no memory."""
+    (an empty file, a file system that cannot map it, a failed ``mincore``). The read-only
+    shared mapping is only looked at: it reads no page and commits no memory."""
     if size == 0 or _LIBC is None:
         return None
     pages = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
-    area = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     try:
-        start = ctypes.c_char.from_buffer(area)
-        failed = _LIBC.mincore(ctypes.addressof(start), size, pages.ctypes.data)
-        del start  # the mapping cannot close while ctypes holds it
+        area = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except OSError as e:
+        log.debug("cannot map fd %d to ask which pages are cached (%s): buffered reads", fd, e)
+        return None
+    try:
+        start = np.frombuffer(area, np.uint8)  # for its address; no byte is read
+        failed = _LIBC.mincore(start.ctypes.data, size, pages.ctypes.data)
+        del start  # the mapping cannot close while an array holds it
     finally:
         area.close()
     return None if failed else pages & 1
