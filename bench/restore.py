@@ -220,7 +220,7 @@ def main() -> None:
                 got = 0
                 while got < end - begin:
                     n = os.preadv(fd, [view[begin + got:end]], begin + got)
-                    if not n:
+                    if not n or n % 4096:
                         return  # the file ends inside its last block
                     got += n
             try:

@@ -157,6 +157,13 @@ def _cold_file(path: Path, data: bytes) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def _reads_direct(path: Path) -> bool:
+    """Whether a reader would use O_DIRECT for ``path``: its file system takes it and some of
+    its pages are not cached (never so on tmpfs, whose files live in the page cache)."""
+    with DirectReader(str(path)) as reader:
+        return reader.direct
+
+
 def _pieces(size: int, step: int) -> list[tuple[int, int]]:
     return [(begin, min(begin + step, size)) for begin in range(0, size, step)]
 
@@ -169,18 +176,19 @@ def test_a_cold_file_is_read_direct_and_every_byte_arrives(where: str, tmp_path:
     if not directory.is_dir():
         pytest.skip("no /dev/shm")
     target = directory / f"ckptpilot-directread-{os.getpid()}.bin"
-    data = b"".join(_payload())  # 2 buffers + 4 MiB + 27 bytes: not a whole number of blocks
+    data = b"".join(_payload())  # 20 MiB + 21 bytes: not a whole number of blocks
     try:
         _cold_file(target, data)
+        cold = _reads_direct(target)
         buf = fresh_bytes(len(data))
         with DirectReader(str(target)) as reader, ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda r: reader.read(memoryview(buf)[r[0]:r[1]], r[0]),
                           _pieces(len(data), 3 << 20)))
         assert buf.tobytes() == data
-        if where == "disk" and _direct_supported(directory):
+        if where == "disk" and cold:
             assert reader.direct_bytes == len(data) // ALIGN * ALIGN
         else:  # tmpfs: the file lives in the page cache, which nothing drops
-            assert reader.direct_bytes == 0
+            assert not cold and reader.direct_bytes == 0
     finally:
         target.unlink(missing_ok=True)
 
@@ -199,11 +207,11 @@ def test_a_file_in_the_page_cache_is_read_buffered(tmp_path: Path) -> None:
 
 
 def test_memory_not_aligned_like_the_file_is_read_buffered(tmp_path: Path) -> None:
-    if not _direct_supported(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
     target = tmp_path / "cold.bin"
     data = b"".join(_payload())
     _cold_file(target, data)
+    if not _reads_direct(target):
+        pytest.skip("no O_DIRECT reads on this file system")
     buf = fresh_bytes(len(data) + 1)
     with DirectReader(str(target)) as reader:
         assert reader.direct
@@ -219,21 +227,21 @@ def test_a_file_shorter_than_the_piece_is_an_error_naming_it(direct: bool,
                                                              tmp_path: Path) -> None:
     target = tmp_path / "short.bin"
     _cold_file(target, b"s" * (5 * ALIGN + 100))
+    cold = _reads_direct(target)
     buf = fresh_bytes(8 * ALIGN)
     with (DirectReader(str(target), direct=direct) as reader,
           pytest.raises(OSError, match=r"short\.bin: file ends 12188 bytes early")):
         reader.read(memoryview(buf), 0)
     assert buf[:5 * ALIGN + 100].tobytes() == b"s" * (5 * ALIGN + 100)
-    assert reader.direct_bytes == (5 * ALIGN + 100 if direct and _direct_supported(tmp_path)
-                                   else 0)
+    assert reader.direct_bytes == (5 * ALIGN + 100 if direct and cold else 0)
 
 
 def test_the_remote_tier_reads_a_cold_record_direct_and_still_finds_a_flipped_byte(
         tmp_path: Path) -> None:
-    """read_verified and verify on a cold file: O_DIRECT reads, every chunk checked against
-    the record; one byte changed on disk afterwards is an IntegrityError naming its chunk."""
-    if not _direct_supported(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
+    """read_verified and verify on a cold file: O_DIRECT reads (the file is still not in the
+    page cache after each: a buffered read would have left it there), every chunk checked
+    against the record; one byte changed on disk afterwards is an IntegrityError naming its
+    chunk."""
     (tmp_path / "ckpt").mkdir()
     tier = RemoteTier(str(tmp_path / "ckpt"), verify_reads="xxh3")
     pieces = [os.urandom(3 << 20) for _ in range(7)] + [b"tail"]
@@ -241,8 +249,12 @@ def test_the_remote_tier_reads_a_cold_record_direct_and_still_finds_a_flipped_by
     record = tier.write_record("a.bin", pieces)
     where = tmp_path / "ckpt" / "a.bin"
     _cold_file(where, where.read_bytes())
+    if not _reads_direct(where):
+        pytest.skip("no O_DIRECT reads on this file system")
     assert tier.read_verified("a.bin", record).tobytes() == data
+    assert _reads_direct(where)
     tier.verify("a.bin", record)
+    assert _reads_direct(where)
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 1
     _cold_file(where, bytes(flipped))

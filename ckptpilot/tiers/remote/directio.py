@@ -25,8 +25,10 @@ pages and then copy them into the caller's buffer, on the restore's critical pat
 copy out of the page cache, so the reader asks once, as it opens the file, which of its pages
 are resident (``mincore(2)`` on a mapping that touches none), and reads a piece with ``O_DIRECT``
 only where some of its pages are not (bench/RESULTS.md, "restore.py — cold reads with
-O_DIRECT"). A buffered ``RWF_NOWAIT`` probe would not do: on a miss it starts the readahead,
-and the file is read twice.
+O_DIRECT"). Linux answers ``mincore`` truthfully only for a file the process owns or could open
+for writing; for another user's read-only checkpoint it says every page is cached, and the
+reads stay buffered: correct, only not faster. A buffered ``RWF_NOWAIT`` probe would not do:
+on a miss it starts the readahead, and the file is read twice.
 
 Threading: one writer per file, used by one thread; one reader per file, used by any number
 of threads at once (each reading its own pieces).

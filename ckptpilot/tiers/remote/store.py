@@ -39,8 +39,8 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -298,11 +298,8 @@ class RemoteTier:
             if self.is_local:
                 with DirectReader(where) as reader:
                     _will_need(reader, 0, min(len(view), _READ_AHEAD_BYTES))
-                    for _ in _readers().map(
-                            lambda r: _pread_checked(reader, view, *r, where, digest=digest,
-                                                     ahead=len(view)),
-                            ranges):
-                        pass
+                    _read_each(lambda r: _pread_checked(reader, view, *r, where, digest=digest,
+                                                        ahead=len(view)), ranges)
                 return buf
             with self.open_read(relpath) as f:
                 pending = []
@@ -350,8 +347,7 @@ class RemoteTier:
                     scratch = memoryview(fresh_bytes(end - begin))
                     _pread_checked(reader, scratch, 0, end - begin, sha, where, at=begin,
                                    ahead=int(rec["bytes"]))
-                for _ in _readers().map(one, ranges):
-                    pass
+                _read_each(one, ranges)
             return
         with self.open_read(relpath) as f:
             pending: list[Any] = []
@@ -467,6 +463,21 @@ def _drop_from_page_cache(fd: int) -> None:
 def _readers() -> ThreadPoolExecutor:
     """Reads are waited for (a restore, a validation): they hash at the caller's priority."""
     return hash_pool(background=False)
+
+
+def _read_each(read: Callable[[tuple[int, int, str]], None],
+               ranges: list[tuple[int, int, str]]) -> None:
+    """``read`` every chunk on the read threads; returns, or raises the first chunk's error,
+    only once no read is running, so that the caller's ``DirectReader`` closes its descriptors
+    after the last read of them (a failed chunk cancels the reads not started)."""
+    futures = [_readers().submit(read, r) for r in ranges]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for future in futures:
+        future.cancel()
+    wait(futures)
+    for future in futures:
+        if not future.cancelled():
+            future.result()
 
 
 def _readinto_exact(f: IO[bytes], view: memoryview, where: str) -> None:
