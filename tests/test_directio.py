@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from ckptpilot.tiers.remote.directio import (
     DirectReader,
     DirectWriter,
 )
-from ckptpilot.tiers.remote.store import RemoteTier
+from ckptpilot.tiers.remote.store import RemoteTier, _read_each
 
 
 def _direct_supported(directory: Path) -> bool:
@@ -261,3 +263,21 @@ def test_the_remote_tier_reads_a_cold_record_direct_and_still_finds_a_flipped_by
     for check in (tier.read_verified, tier.verify):  # the byte is in the second 8 MiB chunk
         with pytest.raises(IntegrityError, match=r"a\.bin bytes \[8388608, 16777216\)"):
             check("a.bin", record)
+
+
+def test_a_failed_chunk_returns_only_once_its_sibling_reads_are_done() -> None:
+    """The reader's descriptors close when the read returns: a sibling chunk still reading then
+    would read a closed, or reused, descriptor."""
+    started, finished = threading.Event(), threading.Event()
+
+    def read(r: tuple[int, int, str]) -> None:
+        if r[0] == 0:
+            assert started.wait(10)
+            raise OSError("chunk 0 failed")
+        started.set()
+        time.sleep(0.2)
+        finished.set()
+
+    with pytest.raises(OSError, match="chunk 0 failed"):
+        _read_each(read, [(0, 1, ""), (1, 2, "")])
+    assert finished.is_set()
