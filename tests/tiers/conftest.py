@@ -106,22 +106,28 @@ def validator() -> Iterator[PostWriteValidator]:
         checker.close()
 
 
-def _remote_backend(request: pytest.FixtureRequest, url: str) -> Backend:
-    checker = request.getfixturevalue("validator")
-    codecs = codec_selector(Policy())
-
-    def build(remote: RemoteTier) -> CheckpointTier:
-        return remote_tier(remote, rank=0, validator=checker, codecs=codecs)
+def _storage_backend(url: str, build: Callable[[RemoteTier], CheckpointTier],
+                     last_file: Callable[[int], tuple[str, str]]) -> Backend:
+    """A tier on a ``RemoteTier`` at ``url``; its corruption flips the last byte of the file
+    ``last_file(step)`` (directory, file name), and its broken twin's disk is full."""
 
     def corrupt(t: Any, step: int) -> None:
-        path = t.remote.path(f"step_{step:08d}_rank_00000", "tensors.safetensors")
+        path = t.remote.path(*last_file(step))
         data = t.remote.fs.cat_file(path)
-        t.remote.fs.pipe_file(path, _flip(data, len(data) - 1))  # the last tensor byte
+        t.remote.fs.pipe_file(path, _flip(data, len(data) - 1))
 
     return Backend(lambda: build(RemoteTier(url)), corrupt,
                    TierCapabilities(durable=True, survives_node_loss=True, folds_deltas=False,
                                     speed=2, keeps_older=True),
                    broken=lambda: build(_FullDisk(url)))
+
+
+def _remote_backend(request: pytest.FixtureRequest, url: str) -> Backend:
+    checker = request.getfixturevalue("validator")
+    codecs = codec_selector(Policy())
+    return _storage_backend(
+        url, lambda remote: remote_tier(remote, rank=0, validator=checker, codecs=codecs),
+        lambda step: (f"step_{step:08d}_rank_00000", "tensors.safetensors"))  # last tensor byte
 
 
 def remote_file_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
@@ -140,19 +146,10 @@ def sharded_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     policy = Policy().with_run_dir(tmp_path / "run")
     url = f"file://{tmp_path}/sharded"
     codecs = codec_selector(policy)
-
-    def build(remote: RemoteTier) -> CheckpointTier:
-        return sharded_tier(policy, remote, rank=0, world_size=1, group=None, codecs=codecs)
-
-    def corrupt(t: Any, step: int) -> None:
-        path = t.remote.path(dcp_name(step), "__0_0.distcp")
-        data = t.remote.fs.cat_file(path)
-        t.remote.fs.pipe_file(path, _flip(data, len(data) - 1))  # in the last item
-
-    return Backend(lambda: build(RemoteTier(url)), corrupt,
-                   TierCapabilities(durable=True, survives_node_loss=True, folds_deltas=False,
-                                    speed=2, keeps_older=True),
-                   broken=lambda: build(_FullDisk(url)))
+    return _storage_backend(
+        url, lambda remote: sharded_tier(policy, remote, rank=0, world_size=1, group=None,
+                                         codecs=codecs),
+        lambda step: (dcp_name(step), "__0_0.distcp"))  # in the last item
 
 
 @pytest.fixture(scope="session")
